@@ -1,0 +1,111 @@
+"""ADIOS2 BP5 backend: one BP5 file (a folder) per step, written through the C API.
+
+Each tensor is a global array variable with the same name every step; a
+tensor streamed through the host cache in pieces is written as several blocks
+of that array. Scalars are stored with shape ``(1,)``; zero-size tensors are
+recorded in the manifest only. The manifest is the uint8 variable
+``__manifest__``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import _adios2_capi as capi
+from .base import Backend, StepReader, StepWriter, publish, remove_tree, step_stem
+
+MANIFEST = "__manifest__"
+SUFFIX = ".bp"
+
+# Measured choices (docs/performance.md): no per-step profiling file; the
+# flusher thread itself does the I/O (ctypes drops the GIL), so no AsyncWrite.
+WRITE_PARAMETERS = {"Profile": "Off", "AsyncWrite": "off", "StatsLevel": "0", "MinDeferredSize": "1"}
+
+
+def _file_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(shape) if len(shape) else (1,)
+
+
+class Adios2StepWriter(StepWriter):
+    def __init__(self, steps_dir: str, step: int, parameters: dict[str, str]):
+        self.final = os.path.join(steps_dir, step_stem(step) + SUFFIX)
+        self.tmp = self.final + ".partial"
+        remove_tree(self.tmp)
+        self.adios = capi.Adios()
+        self.file = capi.FileWriter(self.adios, self.tmp, parameters)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def define(self, name, dtype, shape, real_dtype):
+        self.shapes[name] = _file_shape(shape)
+        if 0 not in shape:
+            self.file.define(name, np.dtype(dtype), self.shapes[name])
+
+    def put(self, name, array, start):
+        if array.size == 0:
+            return
+        assert array.flags.c_contiguous
+        count = _file_shape(array.shape)
+        self.file.put(name, array.ctypes.data, _file_shape(start) if start else (0,), count)
+
+    def write_out(self):
+        self.file.write_out()
+
+    def finish(self, manifest: bytes) -> str:
+        raw = np.frombuffer(manifest, dtype=np.uint8)
+        self.file.define(MANIFEST, raw.dtype, raw.shape)
+        self.file.put(MANIFEST, raw.ctypes.data, (0,), raw.shape)
+        self.file.close()
+        self.adios.close()
+        publish(self.tmp, self.final)
+        return os.path.basename(self.final)
+
+    def abort(self):
+        try:
+            self.file.close()
+        except Exception:
+            pass
+        self.adios.close()
+        remove_tree(self.tmp)
+
+
+class Adios2StepReader(StepReader):
+    def __init__(self, path: str):
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"step data {path} is missing")
+        self.path = path
+        self.adios = capi.Adios()
+        self.file = capi.FileReader(self.adios, path)
+
+    def manifest(self) -> bytes:
+        (n,) = self.file.shape(MANIFEST)
+        out = np.empty(n, dtype=np.uint8)
+        self.file.get(MANIFEST, out.ctypes.data, (0,), (n,))
+        return out.tobytes()
+
+    def read(self, name, out, start):
+        if out.size == 0:
+            return
+        assert out.flags.c_contiguous and out.flags.writeable
+        self.file.get(name, out.ctypes.data, _file_shape(start) if start else (0,), _file_shape(out.shape))
+
+    def close(self):
+        self.file.close()
+        self.adios.close()
+
+
+class Adios2Backend(Backend):
+    """BP5 files through ``libadios2_c`` (GIL released during I/O)."""
+
+    name = "adios2"
+
+    def __init__(self, parameters: dict[str, str] | None = None):
+        capi.library()  # fail early, with a clear message, when adios2 is missing
+        self.parameters = {**WRITE_PARAMETERS, **(parameters or {})}
+
+    def begin_step(self, steps_dir, step):
+        return Adios2StepWriter(steps_dir, step, self.parameters)
+
+    def open_step(self, steps_dir, location):
+        return Adios2StepReader(os.path.join(steps_dir, location))

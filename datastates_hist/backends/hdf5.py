@@ -1,0 +1,101 @@
+"""HDF5 backend (h5py): one plain HDF5 file per step.
+
+Each tensor is a contiguous dataset at its item name (``model/blocks.0.weight``
+is dataset ``blocks.0.weight`` in group ``model``), with attributes ``dtype``
+(the real torch dtype: bfloat16 is stored as uint16), ``name`` and ``step``,
+so ``h5dump -H`` and h5py show what each dataset is. The manifest is the uint8
+dataset ``__manifest__``. A file per step lets retention delete a step without
+rewriting others, and lets readers open committed steps while the writer
+appends new files. h5py releases the GIL inside its reads and writes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+
+from .base import Backend, StepReader, StepWriter, publish, remove_tree, step_stem
+
+MANIFEST = "__manifest__"
+SUFFIX = ".h5"
+
+
+def _box(start, count) -> tuple:
+    return tuple(slice(s, s + c) for s, c in zip(start, count))
+
+
+class HDF5StepWriter(StepWriter):
+    def __init__(self, steps_dir: str, step: int):
+        self.step = step
+        self.final = os.path.join(steps_dir, step_stem(step) + SUFFIX)
+        self.tmp = self.final + ".partial"
+        remove_tree(self.tmp)
+        self.file = h5py.File(self.tmp, "w", libver="latest")
+        self.file.attrs["step"] = step
+
+    def define(self, name, dtype, shape, real_dtype):
+        ds = self.file.create_dataset(name, shape=tuple(shape), dtype=np.dtype(dtype))
+        ds.attrs["name"] = name
+        ds.attrs["dtype"] = real_dtype
+        ds.attrs["step"] = self.step
+
+    def put(self, name, array, start):
+        ds = self.file[name]
+        if array.size == 0:
+            return
+        if ds.shape == ():
+            ds.write_direct(array.reshape(()))
+        else:
+            ds.write_direct(array, dest_sel=_box(start, array.shape))
+
+    def write_out(self):
+        pass  # puts are written at once
+
+    def finish(self, manifest: bytes) -> str:
+        self.file.create_dataset(MANIFEST, data=np.frombuffer(manifest, dtype=np.uint8))
+        self.file.close()
+        publish(self.tmp, self.final)
+        return os.path.basename(self.final)
+
+    def abort(self):
+        try:
+            self.file.close()
+        except Exception:
+            pass
+        remove_tree(self.tmp)
+
+
+class HDF5StepReader(StepReader):
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"step data {path} is missing")
+        self.file = h5py.File(path, "r")
+
+    def manifest(self) -> bytes:
+        return self.file[MANIFEST][()].tobytes()
+
+    def read(self, name, out, start):
+        ds = self.file[name]
+        if out.size == 0:
+            return
+        if ds.shape == ():
+            out[...] = ds[()]
+        else:
+            ds.read_direct(out, source_sel=_box(start, out.shape))
+
+    def close(self):
+        self.file.close()
+
+
+class HDF5Backend(Backend):
+    """Plain HDF5 files through h5py."""
+
+    name = "hdf5"
+
+    def begin_step(self, steps_dir, step):
+        return HDF5StepWriter(steps_dir, step)
+
+    def open_step(self, steps_dir, location):
+        return HDF5StepReader(os.path.join(steps_dir, location))

@@ -1,0 +1,97 @@
+"""The host cache: a fixed, reusable buffer that snapshots are copied into.
+
+Regions are handed out in order around a ring and given back by the flusher
+once their bytes are in storage. When the ring is full, :meth:`HostCache.alloc`
+waits (backpressure) instead of growing: host memory stays bounded whatever
+the state size, and training slows to the storage speed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+ALIGN = 64
+
+
+@dataclass
+class Region:
+    """``nbytes`` bytes at ``offset`` in the cache."""
+
+    offset: int
+    nbytes: int
+    end: int  # where the next region may start (offset + nbytes, aligned)
+    freed: bool = False
+
+
+class HostCache:
+    """A ring allocator over one uint8 tensor (pinned when ``pin`` is True)."""
+
+    def __init__(self, nbytes: int, pin: bool = False):
+        if nbytes < ALIGN:
+            raise ValueError(f"host cache of {nbytes} bytes is too small")
+        self.capacity = nbytes
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._live: deque[Region] = deque()
+        self._head = 0  # next free byte
+        self._cond = threading.Condition()
+        self.waits = 0  # how often alloc had to wait for space
+
+    def _place(self, nbytes: int) -> int | None:
+        """The offset where ``nbytes`` fit now, or None."""
+        size = _aligned(nbytes)
+        if not self._live:
+            self._head = 0
+            return 0 if size <= self.capacity else None
+        tail = self._live[0].offset
+        wrapped = self._live[-1].offset < tail
+        if not wrapped:  # free space: [head, capacity) and [0, tail)
+            if self._head + size <= self.capacity:
+                return self._head
+            return 0 if size <= tail else None
+        return self._head if self._head + size <= tail else None
+
+    def alloc(self, nbytes: int, on_wait: Callable[[], None] | None = None,
+              cancelled: Callable[[], bool] | None = None) -> Region:
+        """A region of ``nbytes``; waits for space, calling ``on_wait`` once first."""
+        if _aligned(nbytes) > self.capacity:
+            raise ValueError(f"{nbytes} bytes do not fit a host cache of {self.capacity}")
+        with self._cond:
+            offset = self._place(nbytes)
+            if offset is None:
+                self.waits += 1
+                if on_wait is not None:
+                    on_wait()
+                while offset is None:
+                    if cancelled is not None and cancelled():
+                        raise RuntimeError("snapshot cancelled")
+                    self._cond.wait(timeout=0.5)
+                    offset = self._place(nbytes)
+            region = Region(offset, nbytes, offset + _aligned(nbytes))
+            self._live.append(region)
+            self._head = region.end
+            return region
+
+    def view(self, region: Region) -> torch.Tensor:
+        """The region's bytes as a uint8 tensor."""
+        return self.buffer[region.offset:region.offset + region.nbytes]
+
+    def free(self, region: Region) -> None:
+        """Give a region back; space is reclaimed in allocation order."""
+        with self._cond:
+            region.freed = True
+            while self._live and self._live[0].freed:
+                self._live.popleft()
+            self._cond.notify_all()
+
+    def in_use(self) -> int:
+        with self._cond:
+            return sum(r.nbytes for r in self._live if not r.freed)
+
+
+def _aligned(n: int) -> int:
+    return max(ALIGN, (n + ALIGN - 1) // ALIGN * ALIGN)

@@ -1,0 +1,388 @@
+"""The Checkpointer: ``write()`` every iteration, ``restore()`` after a restart.
+
+The path of a checkpoint: :meth:`Checkpointer.write` asks the State Providers
+for items (no bytes copied) -> :mod:`snapshot` copies them into the host cache
+in the background -> :mod:`flush` puts them to the backend -> :mod:`commit`
+makes them durable and records the step in the index.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import os
+import socket
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import values as values_codec
+from .backends import get_backend
+from .cache import HostCache
+from .commit import commit_step, remove_uncommitted
+from .dtypes import storage_dtype
+from .errors import CheckpointError, RestoreMismatchError, StepOrderError, StoreLockedError
+from .flush import Flusher
+from .index import Index
+from .items import TensorItem, ValueItem
+from .providers import Context, Problems, StoredState, provider_for
+from .snapshot import PendingCheckpoint, Snapshotter
+from .store import Store, steps_dir
+from .torch_providers import RNG, parameter_names
+
+DEFAULT_CACHE_BYTES = 1 << 30
+DEFAULT_PIECE_BYTES = 64 << 20
+
+
+@dataclass
+class Restored:
+    """What :meth:`Checkpointer.restore` loaded.
+
+    Attributes:
+        step: the restored step.
+        extra: every extra value of the step by keyword: the objects loaded in
+            place, and plain values, tensors and state dicts rebuilt.
+        problems: what did not match (only with ``strict=False``).
+    """
+
+    step: int
+    time: float
+    extra: dict[str, Any] = field(default_factory=dict)
+    problems: Problems = field(default_factory=Problems)
+
+
+class Checkpointer:
+    """Checkpoints training state into a versioned history at ``path``.
+
+    Args:
+        path: the run directory (created if missing).
+        backend: ``"adios2"`` (default) or ``"hdf5"``, or a registered name.
+        model, optimizer: objects bound once, used when ``write``/``restore``
+            are called without them.
+        host_cache_bytes: the bound on host memory used by snapshots.
+        piece_bytes: tensors larger than this are streamed through the cache in pieces.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, backend: str | None = None,
+                 model: Any = None, optimizer: Any = None,
+                 host_cache_bytes: int = DEFAULT_CACHE_BYTES, piece_bytes: int = DEFAULT_PIECE_BYTES):
+        self.path = os.fspath(path)
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise NotADirectoryError(f"{self.path} is a file, not a run directory")
+        try:
+            os.makedirs(steps_dir(self.path), exist_ok=True)
+        except PermissionError as exc:
+            raise PermissionError(f"cannot create the run directory {self.path}: {exc.strerror}") from exc
+        if not os.access(self.path, os.W_OK):
+            raise PermissionError(f"the run directory {self.path} is not writable")
+        self._lock_fd = _take_lock(self.path)
+        self.index = Index(self.path, create=True, backend=backend or "adios2")
+        self.backend_name = backend or self.index.meta("backend") or "adios2"
+        self.backend = get_backend(self.backend_name)
+        remove_uncommitted(steps_dir(self.path), self.index)
+        self.model, self.optimizer = model, optimizer
+        self.host_cache_bytes, self.piece_bytes = host_cache_bytes, piece_bytes
+        self.cache: HostCache | None = None
+        self._snapshotter: Snapshotter | None = None
+        self._flusher: Flusher | None = None
+        self._flush_index: Index | None = None
+        self._pending: list[PendingCheckpoint] = []
+        self._last: PendingCheckpoint | None = None
+        self._last_step = self.index.latest()
+        self._hooks: dict[int, Any] = {}
+        self.blocked_seconds = 0.0  # training-thread time spent in write() and in the hooks
+        self.writes = 0
+        self.closed = False
+        _OPEN.add(self)
+
+    # --- writing ------------------------------------------------------------------------
+
+    def write(self, step: int, model: Any = None, optimizer: Any = None, **extra: Any) -> None:
+        """Checkpoint ``step``; returns before any tensor bytes are copied.
+
+        Extra keyword values may be objects with ``state_dict()``, tensors, numpy
+        arrays, or plain JSON-like values. RNG states are captured too.
+        """
+        t0 = time.perf_counter()
+        self._check_open()
+        self._raise_failures()
+        model = model if model is not None else self.model
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        if model is None:
+            raise TypeError("write() needs a model (or bind one: Checkpointer(path, model=...))")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if self._last_step is not None and step <= self._last_step:
+            raise StepOrderError(
+                f"step {step} is not after step {self._last_step}, the newest in {self.path}; "
+                f"steps only grow (to branch from an earlier step, call truncate(after=...) first)"
+            )
+        ckpt = self._collect(step, model, optimizer, extra)
+        self._wait_snapshot()
+        self._start_threads(ckpt)
+        self._install_hooks(model, optimizer)
+        if any(t.tensor.is_cuda for t in ckpt.tensors):
+            ckpt.ready_event = torch.cuda.current_stream().record_event()
+        self._last_step = step
+        self._last = ckpt
+        self._pending.append(ckpt)
+        self._snapshotter.submit(ckpt)
+        self.writes += 1
+        self.blocked_seconds += time.perf_counter() - t0
+
+    def _collect(self, step: int, model: Any, optimizer: Any, extra: dict) -> PendingCheckpoint:
+        """Items of every object, checked before anything is queued."""
+        ctx = Context(param_names=parameter_names(model) if isinstance(model, nn.Module) else {})
+        objects = {"model": model, "rng": RNG()}
+        if optimizer is not None:
+            objects["optim"] = optimizer
+        for key, value in extra.items():
+            objects[f"extra/{key}"] = value
+        tensors: list[TensorItem] = []
+        items_values: dict[str, Any] = {}
+        kinds: dict[str, str] = {}
+        for prefix, obj in objects.items():
+            provider = provider_for(obj)
+            kinds[prefix] = type(provider).__name__
+            try:
+                for item in provider.items(obj, ctx):
+                    name = f"{prefix}/{item.name}" if item.name else prefix
+                    if isinstance(item, ValueItem):
+                        items_values[name] = item.value
+                    else:
+                        _check_tensor(name, item.tensor)
+                        item.name = name
+                        tensors.append(item)
+            except values_codec.UnsupportedValueError as exc:
+                raise TypeError(f"cannot checkpoint {prefix!r}: {exc}") from None
+        tensors.sort(key=lambda t: not t.volatile)  # volatile first; stable otherwise
+        return PendingCheckpoint(step, tensors, {"items": items_values, "objects": kinds})
+
+    def _start_threads(self, ckpt: PendingCheckpoint) -> None:
+        if self._snapshotter is not None:
+            return
+        pin = torch.cuda.is_available() and any(t.tensor.is_cuda for t in ckpt.tensors)
+        self.cache = HostCache(self.host_cache_bytes, pin=pin)
+        self._flusher = Flusher(self.cache, self._open_writer, self._commit)
+        self._snapshotter = Snapshotter(self.cache, self._flusher.inbox, self.piece_bytes)
+
+    def _open_writer(self, step: int):
+        return self.backend.begin_step(steps_dir(self.path), step)
+
+    def _commit(self, ckpt: PendingCheckpoint, writer, records) -> None:
+        if self._flush_index is None:  # SQLite connections belong to one thread
+            self._flush_index = Index(self.path, create=True)
+        commit_step(self._flush_index, self.backend_name, ckpt.step, writer, records, ckpt.values)
+
+    # --- waiting ------------------------------------------------------------------------
+
+    def wait_snapshot(self) -> None:
+        """Wait until the last write's tensors are copied; call it before editing
+        parameters in place outside the optimizer."""
+        self._wait_snapshot()
+
+    def _wait_snapshot(self, volatile_only: bool = False) -> None:
+        ckpt = self._last
+        if ckpt is None:
+            return
+        done = ckpt.volatile_done if volatile_only else ckpt.snapshot_done
+        if not done.is_set():
+            t0 = time.perf_counter()
+            done.wait()
+            self.blocked_seconds += time.perf_counter() - t0
+        event = ckpt.volatile_copied if volatile_only else ckpt.copied
+        if event is not None:  # the training stream must not overwrite before the copy ran
+            torch.cuda.current_stream().wait_event(event)
+
+    def wait(self) -> None:
+        """Block until every issued write is committed; raise the first failure."""
+        for ckpt in list(self._pending):
+            ckpt.done.wait()
+        self._raise_failures()
+
+    def _raise_failures(self) -> None:
+        done = [c for c in self._pending if c.done.is_set()]
+        self._pending = [c for c in self._pending if not c.done.is_set()]
+        failed = [c for c in done if c.error is not None]
+        if failed:
+            first = failed[0]
+            steps = ", ".join(str(c.step) for c in failed)
+            if self._last_step in [c.step for c in failed]:
+                self._last_step = self.index.latest()
+            raise CheckpointError(
+                f"checkpoint of step {steps} in {self.path} failed and was not committed: "
+                f"{type(first.error).__name__}: {first.error}"
+            ) from first.error
+
+    def _install_hooks(self, model: Any, optimizer: Any) -> None:
+        if isinstance(model, nn.Module) and id(model) not in self._hooks:
+            self._hooks[id(model)] = model.register_forward_pre_hook(
+                lambda *_: self._wait_snapshot(volatile_only=True))
+        if isinstance(optimizer, torch.optim.Optimizer) and id(optimizer) not in self._hooks:
+            self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(
+                lambda *_: self._wait_snapshot())
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"the Checkpointer of {self.path} is closed")
+
+    def close(self) -> None:
+        """Wait for every write to commit, then release threads, hooks and the lock."""
+        if self.closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self.closed = True
+            for handle in self._hooks.values():
+                handle.remove()
+            self._hooks.clear()
+            if self._snapshotter is not None:
+                self._snapshotter.stop()
+                self._flusher.thread.join()
+            if self._flush_index is not None:
+                self._flush_index.close()
+            self.index.close()
+            os.close(self._lock_fd)
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- the history --------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return self.index.steps()
+
+    def truncate(self, after: int) -> list[int]:
+        """Drop committed steps after ``after`` (to branch the history from there)."""
+        self.wait()
+        doomed = [s for s in self.index.steps() if s > after]
+        rows = [self.index.step_row(s) for s in doomed]
+        self.index.delete_steps(doomed)  # first the index: readers stop seeing them at once
+        for row in rows:
+            get_backend(row.backend).remove_step(steps_dir(self.path), row.location)
+        self._last_step = self.index.latest()
+        return doomed
+
+    def restore(self, step: int | None = None, model: Any = None, optimizer: Any = None, *,
+                strict: bool = True, rng: bool = True, **extra: Any) -> Restored:
+        """Load a committed step (default: the newest) into the given objects, in place.
+
+        Strict by default: missing, unexpected or mismatched items raise one
+        :class:`RestoreMismatchError` before anything is loaded. Every tensor's
+        checksum is verified. RNG states are restored unless ``rng=False``.
+        """
+        self._check_open()
+        self.wait()
+        model = model if model is not None else self.model
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        return restore_step(self.path, step, model, optimizer, strict=strict, rng=rng, extra=extra)
+
+
+_OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Commit what was issued when the program ends without close()."""
+    for ckpt in list(_OPEN):
+        try:
+            ckpt.close()
+        except Exception as exc:  # the program is ending: report, do not raise
+            print(f"datastates-hist: {exc}", file=sys.stderr)
+
+
+def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
+                 strict: bool, rng: bool, extra: dict) -> Restored:
+    store = Store(run_dir)
+    try:
+        step = store.latest() if step is None else step
+        with store.open_step(step) as data:
+            items, objects = data.values["items"], data.values["objects"]
+            ctx = Context(param_names=parameter_names(model) if isinstance(model, nn.Module) else {})
+            targets: dict[str, Any] = {}
+            if model is not None:
+                targets["model"] = model
+            if optimizer is not None:
+                targets["optim"] = optimizer
+            if rng and "rng" in objects:
+                targets["rng"] = RNG()
+            for key, obj in extra.items():
+                targets[f"extra/{key}"] = obj
+
+            def state_of(prefix: str) -> StoredState:
+                records = {_rel(n, prefix): r for n, r in data.records.items() if _under(n, prefix)}
+                vals = {_rel(n, prefix): v for n, v in items.items() if _under(n, prefix)}
+                return StoredState(records, vals, lambda rel: data.read(f"{prefix}/{rel}" if rel else prefix))
+
+            problems = Problems()
+            for prefix, obj in targets.items():
+                if prefix not in objects:
+                    problems.missing.append(prefix)
+                else:
+                    problems.extend(provider_for(obj).check(obj, state_of(prefix), ctx), f"{prefix}/")
+            if strict and problems:
+                raise RestoreMismatchError(step, problems.missing, problems.unexpected, problems.mismatched)
+            restored = Restored(step=step, time=data.row.time, problems=problems)
+            for prefix, obj in targets.items():
+                if prefix in objects:
+                    result = provider_for(obj).load(obj, state_of(prefix), ctx)
+                    if prefix.startswith("extra/"):
+                        restored.extra[prefix[6:]] = result
+            for prefix, kind in objects.items():
+                key = prefix[6:]
+                if prefix.startswith("extra/") and key not in restored.extra:
+                    state = state_of(prefix)
+                    tensors = {n: state.tensor(n) for n in state.records}
+                    skeleton = state.values[""]
+                    if kind == "StateDictProvider":
+                        skeleton = skeleton["state"]
+                    restored.extra[key] = values_codec.decode(skeleton, tensors)
+            return restored
+    finally:
+        store.close()
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + "/")
+
+
+def _rel(name: str, prefix: str) -> str:
+    return "" if name == prefix else name[len(prefix) + 1:]
+
+
+def _check_tensor(name: str, t: torch.Tensor) -> None:
+    if t.device.type == "meta":
+        raise ValueError(f"tensor {name!r} is on the meta device and has no data to checkpoint")
+    if t.layout != torch.strided:
+        raise TypeError(f"tensor {name!r} has layout {t.layout}; only dense tensors can be checkpointed")
+    try:
+        storage_dtype(t.dtype)
+    except TypeError:
+        raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which cannot be stored") from None
+
+
+def _take_lock(run_dir: str) -> int:
+    path = os.path.join(run_dir, "writer.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise StoreLockedError(
+            f"{run_dir} is being written by {holder}; one writer per run "
+            "(read it with datastates_hist.open, or wait for that process to end)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    return fd

@@ -1,0 +1,136 @@
+"""The flush: move snapshot pieces from the host cache into a backend, then commit.
+
+Runs on its own thread. For each piece it updates the tensor's checksum and
+statistics and puts it to the step writer (by pointer, no copy). The cache
+space is given back after the writer has written it out: when the snapshot
+asks for space, or when the step is finished. At the end of a checkpoint,
+:func:`commit.commit_step` makes the data durable and then records the step
+in the index. Any failure marks the checkpoint failed; it is raised to the
+training loop at its next ``write()``, ``wait()`` or ``close()``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from .cache import HostCache
+from .digest import Digest
+from .dtypes import dtype_name, storage_dtype
+from .items import TensorRecord
+from .snapshot import PendingCheckpoint, Piece
+
+
+class _Step:
+    """Flush state of one checkpoint."""
+
+    def __init__(self, ckpt: PendingCheckpoint):
+        self.ckpt = ckpt
+        self.writer = None
+        self.digests: dict[int, Digest] = {}
+        self.records: list[TensorRecord] = []
+
+
+class Flusher:
+    """The flusher thread; ``open_writer(step)`` and ``commit(ckpt, writer, records)``
+    are given by the Checkpointer, so that this module knows no backend or index."""
+
+    def __init__(self, cache: HostCache, open_writer: Callable, commit: Callable):
+        self.cache = cache
+        self.open_writer = open_writer
+        self.commit = commit
+        self.inbox: queue.Queue = queue.Queue()
+        self.unwritten: list = []  # regions put to the writer, not yet written out
+        self.flush_seconds = 0.0
+        self.thread = threading.Thread(target=self._run, name="dh-flush", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        current: _Step | None = None
+        while True:
+            msg = self.inbox.get()
+            if msg[0] == "stop":
+                return
+            t0 = time.perf_counter()
+            try:
+                current = self._handle(msg, current)
+            except BaseException as exc:  # never let the thread die: fail the step instead
+                if current is not None:
+                    current.ckpt.fail(exc)
+            self.flush_seconds += time.perf_counter() - t0
+
+    def _handle(self, msg: tuple, current: "_Step | None") -> "_Step | None":
+        kind = msg[0]
+        if kind == "begin":
+            current = _Step(msg[1])
+            self._guard(current, lambda: setattr(current, "writer", self.open_writer(current.ckpt.step)))
+        elif kind == "piece":
+            piece: Piece = msg[1]
+            if current.ckpt.error is None:
+                self._guard(current, lambda: self._put(current, piece))
+            if current.ckpt.error is not None:
+                self._release(current)
+                if piece.region is not None:
+                    self.cache.free(piece.region)
+        elif kind == "space":
+            if current is not None and current.writer is not None and current.ckpt.error is None:
+                self._guard(current, current.writer.write_out)
+            self._release(current)
+        elif kind == "end":
+            self._finish(current)
+            current = None
+        return current
+
+    def _guard(self, step: _Step, fn: Callable) -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            step.ckpt.fail(exc)
+
+    def _release(self, step: _Step | None) -> None:
+        """Give back the regions already written out (or abandoned on failure)."""
+        for region in self.unwritten:
+            self.cache.free(region)
+        self.unwritten.clear()
+
+    def _put(self, step: _Step, piece: Piece) -> None:
+        item = step.ckpt.tensors[piece.index]
+        t = item.tensor
+        sdtype = storage_dtype(t.dtype)
+        if piece.index not in step.digests:
+            step.digests[piece.index] = Digest()
+            step.writer.define(item.name, sdtype, tuple(t.shape), dtype_name(t.dtype))
+        digest = step.digests[piece.index]
+        if piece.region is not None:
+            if piece.copied is not None:
+                piece.copied.synchronize()
+            raw = self.cache.view(piece.region)
+            array = raw.numpy().view(sdtype).reshape(piece.count)
+            digest.update(array.reshape(-1).view(np.uint8), raw.view(t.dtype))
+            step.writer.put(item.name, array, piece.start)
+            self.unwritten.append(piece.region)
+        if piece.last:
+            step.records.append(TensorRecord(
+                item.name, dtype_name(t.dtype), tuple(t.shape),
+                t.numel() * sdtype.itemsize, digest.checksum(), "raw", digest.stats(),
+            ))
+
+    def _finish(self, step: _Step) -> None:
+        ckpt = step.ckpt
+        try:
+            if ckpt.error is None:
+                self.commit(ckpt, step.writer, step.records)
+        except BaseException as exc:
+            ckpt.fail(exc)
+        finally:
+            if ckpt.error is not None and step.writer is not None:
+                try:
+                    step.writer.abort()
+                except BaseException:
+                    pass
+            self._release(step)
+            ckpt.done.set()

@@ -1,0 +1,158 @@
+"""The index: a SQLite file that says which steps exist and what they hold.
+
+A step exists only once its row is committed here, after its data is durable:
+one SQLite transaction (WAL journal, ``synchronous=FULL``) is the atomic act
+that makes a step visible. Readers in other processes see only committed
+steps. Per-tensor statistics let trajectories be read without tensor data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+
+from .errors import FormatError, StoreNotFoundError
+from .items import TensorRecord
+
+FORMAT_VERSION = 1
+INDEX_FILE = "index.sqlite"
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS steps (
+    step INTEGER PRIMARY KEY,
+    time REAL NOT NULL,            -- unix time of the commit
+    backend TEXT NOT NULL,
+    location TEXT NOT NULL,        -- the step's file or folder, relative to steps/
+    nbytes INTEGER NOT NULL,       -- tensor bytes of the step
+    ntensors INTEGER NOT NULL,
+    tier TEXT NOT NULL DEFAULT 'full',   -- room for weights-only trajectory points
+    manifest_checksum TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tensors (
+    step INTEGER NOT NULL REFERENCES steps(step) ON DELETE CASCADE,
+    name TEXT NOT NULL,
+    dtype TEXT NOT NULL,
+    shape TEXT NOT NULL,           -- JSON list
+    nbytes INTEGER NOT NULL,
+    checksum TEXT NOT NULL,        -- xxh3-64 of the stored bytes, hex
+    encoding TEXT NOT NULL DEFAULT 'raw',  -- room for keyframe/delta encodings
+    norm REAL, min REAL, max REAL, mean REAL, std REAL, nonfinite INTEGER,
+    PRIMARY KEY (step, name)
+);
+"""
+
+STAT_KEYS = ("norm", "min", "max", "mean", "std", "nonfinite")
+
+
+@dataclass
+class StepRow:
+    step: int
+    time: float
+    backend: str
+    location: str
+    nbytes: int
+    ntensors: int
+    tier: str
+    manifest_checksum: str
+
+
+def index_path(run_dir: str) -> str:
+    return os.path.join(run_dir, INDEX_FILE)
+
+
+def _connect(path: str, readonly: bool) -> sqlite3.Connection:
+    if readonly:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30, check_same_thread=False)
+    else:
+        conn = sqlite3.connect(path, timeout=30, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    return conn
+
+
+class Index:
+    """One connection to a run's index (use one per thread)."""
+
+    def __init__(self, run_dir: str, create: bool = False, backend: str | None = None):
+        self.path = index_path(run_dir)
+        if not os.path.exists(self.path):
+            if not create:
+                raise StoreNotFoundError(f"{run_dir} is not a datastates-hist run (no {INDEX_FILE})")
+            self.conn = _connect(self.path, readonly=False)
+            with self.conn:
+                self.conn.executescript(SCHEMA)
+                self.conn.executemany(
+                    "INSERT OR IGNORE INTO meta VALUES (?, ?)",
+                    [("format_version", str(FORMAT_VERSION)), ("backend", backend or ""),
+                     ("created", str(time.time()))],
+                )
+        else:
+            self.conn = _connect(self.path, readonly=not create)
+        self._check_format(run_dir)
+
+    def _check_format(self, run_dir: str) -> None:
+        try:
+            row = self.conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise FormatError(f"the index of {run_dir} cannot be read: {exc}") from exc
+        version = int(row[0]) if row else 0
+        if version > FORMAT_VERSION:
+            raise FormatError(
+                f"{run_dir} was written in format version {version}; this datastates-hist "
+                f"reads up to version {FORMAT_VERSION}: upgrade datastates-hist"
+            )
+
+    def meta(self, key: str) -> str | None:
+        row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def commit_step(self, row: StepRow, records: list[TensorRecord]) -> None:
+        """Make a step visible: its row and its tensors in one transaction."""
+        with self.conn:
+            self.conn.execute(
+                "INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (row.step, row.time, row.backend, row.location, row.nbytes, row.ntensors,
+                 row.tier, row.manifest_checksum),
+            )
+            self.conn.executemany(
+                "INSERT INTO tensors VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(row.step, r.name, r.dtype, json.dumps(list(r.shape)), r.nbytes, r.checksum,
+                  r.encoding, *(r.stats.get(k) for k in STAT_KEYS)) for r in records],
+            )
+
+    def delete_steps(self, steps: list[int]) -> None:
+        with self.conn:
+            self.conn.executemany("DELETE FROM steps WHERE step=?", [(s,) for s in steps])
+
+    def steps(self) -> list[int]:
+        return [r[0] for r in self.conn.execute("SELECT step FROM steps ORDER BY step")]
+
+    def step_rows(self) -> list[StepRow]:
+        return [StepRow(*r) for r in self.conn.execute("SELECT * FROM steps ORDER BY step")]
+
+    def step_row(self, step: int) -> StepRow | None:
+        r = self.conn.execute("SELECT * FROM steps WHERE step=?", (step,)).fetchone()
+        return StepRow(*r) if r else None
+
+    def latest(self) -> int | None:
+        r = self.conn.execute("SELECT MAX(step) FROM steps").fetchone()
+        return r[0]
+
+    def records(self, step: int) -> list[TensorRecord]:
+        rows = self.conn.execute(
+            "SELECT name, dtype, shape, nbytes, checksum, encoding, norm, min, max, mean, std,"
+            " nonfinite FROM tensors WHERE step=? ORDER BY rowid", (step,)
+        )
+        return [
+            TensorRecord(name, dtype, tuple(json.loads(shape)), nbytes, checksum, encoding,
+                         {k: v for k, v in zip(STAT_KEYS, stats) if v is not None})
+            for name, dtype, shape, nbytes, checksum, encoding, *stats in rows
+        ]
+
+    def close(self) -> None:
+        self.conn.close()

@@ -1,0 +1,226 @@
+"""State Providers: how objects become named items, and how they are loaded back.
+
+A provider describes *what* is saved; it never moves bytes. The Checkpointer
+prefixes the names a provider gives (``model/``, ``optim/``, ``extra/<key>/``,
+``rng/``) and hands the tensors to the snapshot engine.
+
+Restore runs in two phases so that a strict restore changes nothing when any
+target does not match: :meth:`StateProvider.check` for every target first,
+then :meth:`StateProvider.load`.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+from urllib.parse import quote
+
+import numpy as np
+import torch
+
+from . import values
+from .items import TensorItem, TensorRecord, ValueItem
+
+Item = TensorItem | ValueItem
+
+
+@dataclass
+class Context:
+    """What providers share within one write or restore.
+
+    Attributes:
+        param_names: ``id(parameter)`` -> its fully qualified name in the model,
+            so that optimizer state is keyed by names, not positions.
+    """
+
+    param_names: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class Problems:
+    """What a target expects and the stored step does not give (or the reverse)."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.mismatched)
+
+    def extend(self, other: "Problems", prefix: str) -> None:
+        self.missing += [prefix + n for n in other.missing]
+        self.unexpected += [prefix + n for n in other.unexpected]
+        self.mismatched += [(prefix + n, e, f) for n, e, f in other.mismatched]
+
+
+class StoredState:
+    """The stored items under one prefix, as a provider sees them on restore.
+
+    Attributes:
+        records: relative tensor name -> its :class:`TensorRecord`.
+        values: relative value name -> the decoded-JSON data.
+    """
+
+    def __init__(self, records: dict[str, TensorRecord], values_: dict[str, Any],
+                 read: Callable[[str], torch.Tensor]):
+        self.records, self.values, self._read = records, values_, read
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Read tensor ``name`` (checksum verified) into host memory."""
+        return self._read(name)
+
+
+class StateProvider(ABC):
+    """Turns objects of some type into items, and loads items back into them."""
+
+    @abstractmethod
+    def items(self, obj: Any, ctx: Context) -> Iterable[Item]:
+        """The items of ``obj``, with names relative to its prefix."""
+
+    def check(self, obj: Any, state: StoredState, ctx: Context) -> Problems:
+        """What would not load; the default compares with :meth:`items`."""
+        return compare(self.items(obj, ctx), state)
+
+    @abstractmethod
+    def load(self, obj: Any, state: StoredState, ctx: Context) -> Any:
+        """Load what matches into ``obj`` (in place where it can) and return the result."""
+
+
+def compare(expected: Iterable[Item], state: StoredState) -> Problems:
+    """Missing, unexpected and mismatched tensors between expected items and a stored state."""
+    problems = Problems()
+    want = {i.name: i.tensor for i in expected if isinstance(i, TensorItem)}
+    for name, tensor in want.items():
+        rec = state.records.get(name)
+        if rec is None:
+            problems.missing.append(name)
+        elif rec.shape != tuple(tensor.shape) or rec.dtype != _dtype_str(tensor):
+            problems.mismatched.append(
+                (name, f"{_dtype_str(tensor)}{list(tensor.shape)}", f"{rec.dtype}{list(rec.shape)}")
+            )
+    problems.unexpected += [n for n in state.records if n not in want]
+    return problems
+
+
+def _dtype_str(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def matching(expected: Mapping[str, torch.Tensor], state: StoredState) -> list[str]:
+    """Names whose stored shape and dtype equal the expected tensor's."""
+    out = []
+    for name, t in expected.items():
+        rec = state.records.get(name)
+        if rec is not None and rec.shape == tuple(t.shape) and rec.dtype == _dtype_str(t):
+            out.append(name)
+    return out
+
+
+# --- nested structures of values and tensors -------------------------------------------
+
+def flatten(obj: Any, where: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split a nested structure into safe JSON data with placeholders, and its tensors."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(x: Any, path: tuple[str, ...]) -> Any:
+        name = "/".join(quote(p, safe="") for p in path)
+        if isinstance(x, torch.Tensor):
+            tensors[name] = x.detach()
+            return {"__tensor__": name}
+        if isinstance(x, np.ndarray) and x.dtype != object:
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(x))
+            return {"__ndarray__": name}
+        if isinstance(x, dict):
+            if all(isinstance(k, str) for k in x):
+                return {k: walk(v, path + (k,)) for k, v in x.items()}
+            return {"__dict__": [[values.encode(k, where), walk(v, path + (str(k),))]
+                                 for k, v in x.items()]}
+        if isinstance(x, list):
+            return [walk(v, path + (str(i),)) for i, v in enumerate(x)]
+        if isinstance(x, tuple):
+            return {"__tuple__": [walk(v, path + (str(i),)) for i, v in enumerate(x)]}
+        return values.encode(x, f"{where}/{name}" if name else where)
+
+    return walk(obj, ()), tensors
+
+
+class TreeProvider(StateProvider):
+    """Plain values, tensors, arrays, and dicts/lists/tuples of them."""
+
+    def items(self, obj, ctx):
+        skeleton, tensors = flatten(obj, "value")
+        yield ValueItem("", skeleton)
+        for name, t in tensors.items():
+            yield TensorItem(name, t, volatile=True)
+
+    def load(self, obj, state, ctx):
+        skeleton = state.values.get("")
+        tensors = {n: state.tensor(n) for n in state.records}
+        restored = values.decode(skeleton, tensors)
+        if isinstance(obj, torch.Tensor) and isinstance(restored, torch.Tensor):
+            with torch.no_grad():
+                obj.copy_(restored)
+            return obj
+        return restored
+
+    def check(self, obj, state, ctx):
+        problems = Problems()
+        if "" not in state.values:
+            problems.missing.append("")
+        if isinstance(obj, torch.Tensor):
+            problems = compare(self.items(obj, ctx), state)
+        return problems
+
+
+class StateDictProvider(StateProvider):
+    """Anything with ``state_dict()`` / ``load_state_dict()`` (schedulers, samplers, GradScaler)."""
+
+    def items(self, obj, ctx):
+        skeleton, tensors = flatten(obj.state_dict(), type(obj).__name__)
+        yield ValueItem("", {"type": type(obj).__qualname__, "state": skeleton})
+        for name, t in tensors.items():
+            yield TensorItem(name, t, volatile=True)
+
+    def check(self, obj, state, ctx):
+        problems = Problems()
+        stored = state.values.get("")
+        if stored is None:
+            problems.missing.append("")
+        elif stored.get("type") != type(obj).__qualname__:
+            problems.mismatched.append(("", type(obj).__qualname__, str(stored.get("type"))))
+        return problems
+
+    def load(self, obj, state, ctx):
+        tensors = {n: state.tensor(n) for n in state.records}
+        obj.load_state_dict(values.decode(state.values[""]["state"], tensors))
+        return obj
+
+
+# --- the registry ------------------------------------------------------------------------
+
+_REGISTRY: dict[type, StateProvider] = {}
+
+
+def register_provider(cls: type, provider: StateProvider) -> None:
+    """Use ``provider`` for objects of ``cls`` and its subclasses."""
+    if not isinstance(provider, StateProvider):
+        raise TypeError(f"{provider!r} is not a StateProvider")
+    _REGISTRY[cls] = provider
+
+
+def provider_for(obj: Any) -> StateProvider:
+    """The provider registered for ``obj``'s type (by MRO), else a generic one."""
+    from . import torch_providers  # noqa: F401  (registers the built-in providers)
+
+    for cls in type(obj).__mro__:
+        if cls in _REGISTRY:
+            return _REGISTRY[cls]
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        return _STATE_DICT
+    return _TREE
+
+
+_STATE_DICT = StateDictProvider()
+_TREE = TreeProvider()

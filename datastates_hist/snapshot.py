@@ -1,0 +1,170 @@
+"""The lazy snapshot: copy the tensors of a checkpoint into the host cache in the background.
+
+``write()`` only records *what* to capture (a :class:`PendingCheckpoint`). The
+snapshot thread copies tensors into the host cache (device-to-host on a side
+CUDA stream ordered after the training stream by an event; host-to-host for
+CPU tensors, with ``copy_``, which releases the GIL), piece by piece, and
+hands each piece to the flusher. Volatile tensors (buffers changed by forward)
+are copied first; the Checkpointer's hooks wait on :attr:`volatile_done` before
+the next forward and on :attr:`snapshot_done` before the next optimizer step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .cache import HostCache, Region
+from .dtypes import storage_dtype, storage_torch_dtype
+from .items import TensorItem
+
+
+@dataclass
+class PendingCheckpoint:
+    """One ``write()`` on its way through snapshot, flush and commit."""
+
+    step: int
+    tensors: list[TensorItem]
+    values: dict[str, Any]
+    ready_event: Any = None  # CUDA event on the training stream at write() time
+    volatile_done: threading.Event = field(default_factory=threading.Event)
+    snapshot_done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    volatile_copied: Any = None  # CUDA event after the volatile copies
+    copied: Any = None  # CUDA event after all copies
+    error: BaseException | None = None
+    issued: float = field(default_factory=time.time)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+
+
+@dataclass
+class Piece:
+    """A box of one tensor, copied into ``region`` of the host cache."""
+
+    ckpt: PendingCheckpoint
+    index: int  # of the tensor in ckpt.tensors
+    region: Region
+    start: tuple[int, ...]
+    count: tuple[int, ...]
+    last: bool
+    copied: Any = None  # CUDA event after the copy
+
+
+def pieces(shape: tuple[int, ...], itemsize: int, max_bytes: int) -> Iterator[tuple[tuple, tuple]]:
+    """Split a C-order array into boxes ``(start, count)`` of at most ``max_bytes``,
+    each contiguous in memory, in memory order."""
+    total = int(np.prod(shape)) * itemsize if shape else itemsize
+    if total <= max_bytes or not shape:
+        yield (0,) * len(shape), tuple(shape)
+        return
+    inner = int(np.prod(shape[1:])) * itemsize
+    if inner <= max_bytes:
+        rows = max(1, max_bytes // max(inner, 1))
+        for i in range(0, shape[0], rows):
+            n = min(rows, shape[0] - i)
+            yield (i,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:])
+        return
+    for i in range(shape[0]):
+        for start, count in pieces(tuple(shape[1:]), itemsize, max_bytes):
+            yield (i,) + start, (1,) + count
+
+
+def _box(t: torch.Tensor, start: tuple, count: tuple) -> torch.Tensor:
+    """The view of ``t`` for a box from :func:`pieces`."""
+    for dim, (s, c) in enumerate(zip(start, count)):
+        if c != t.shape[dim]:
+            t = t.narrow(dim, s, c)
+    return t
+
+
+class Snapshotter:
+    """The snapshot thread: copies pending checkpoints into the cache, in order."""
+
+    def __init__(self, cache: HostCache, out: "queue.Queue", piece_bytes: int):
+        self.cache = cache
+        self.out = out
+        self.piece_bytes = max(64, min(piece_bytes, cache.capacity // 4))
+        self.inbox: queue.Queue = queue.Queue()
+        self.stream = None
+        self.closing = False
+        self.thread = threading.Thread(target=self._run, name="dh-snapshot", daemon=True)
+        self.thread.start()
+
+    def submit(self, ckpt: PendingCheckpoint) -> None:
+        self.inbox.put(ckpt)
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        while True:
+            ckpt = self.inbox.get()
+            if ckpt is None:
+                self.out.put(("stop",))
+                return
+            self.out.put(("begin", ckpt))
+            try:
+                self._copy(ckpt)
+            except BaseException as exc:  # reported by the flusher and at the next call
+                ckpt.fail(exc)
+            finally:
+                ckpt.volatile_done.set()
+                ckpt.snapshot_done.set()
+                self.out.put(("end", ckpt))
+
+    def _copy(self, ckpt: PendingCheckpoint) -> None:
+        cuda = any(t.tensor.is_cuda for t in ckpt.tensors)
+        if cuda and self.stream is None:
+            self.stream = torch.cuda.Stream()
+        if cuda and ckpt.ready_event is not None:
+            self.stream.wait_event(ckpt.ready_event)
+        for index, item in enumerate(ckpt.tensors):
+            if ckpt.error is not None:
+                break
+            if not item.volatile and not ckpt.volatile_done.is_set():
+                ckpt.volatile_copied = self._mark(cuda)
+                ckpt.volatile_done.set()
+            self._copy_tensor(ckpt, index, item.tensor, cuda)
+        ckpt.volatile_copied = ckpt.volatile_copied or self._mark(cuda)
+        ckpt.copied = self._mark(cuda)
+
+    def _mark(self, cuda: bool):
+        if not cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def _copy_tensor(self, ckpt: PendingCheckpoint, index: int, t: torch.Tensor, cuda: bool) -> None:
+        src = t.view(storage_torch_dtype(t.dtype)) if t.dim() else t.reshape(1).view(storage_torch_dtype(t.dtype))
+        itemsize = storage_dtype(t.dtype).itemsize
+        boxes = list(pieces(tuple(t.shape), itemsize, self.piece_bytes)) if t.numel() else []
+        for k, (start, count) in enumerate(boxes):
+            nbytes = int(np.prod(count)) * itemsize if count else itemsize
+            region = self.cache.alloc(
+                nbytes, on_wait=lambda: self.out.put(("space",)),
+                cancelled=lambda: ckpt.error is not None,
+            )
+            dst = self.cache.view(region).view(src.dtype)
+            box = _box(src, start, count) if count else src
+            dst = dst.view(box.shape)
+            event = None
+            if box.is_cuda:
+                with torch.cuda.stream(self.stream):
+                    dst.copy_(box, non_blocking=True)
+                    event = self._mark(True)
+            else:
+                dst.copy_(box)
+            self.out.put(("piece", Piece(ckpt, index, region, start, count, k == len(boxes) - 1, event)))
+        if not boxes:
+            self.out.put(("piece", Piece(ckpt, index, None, (), tuple(t.shape), True)))

@@ -1,0 +1,180 @@
+"""Built-in State Providers for PyTorch modules, optimizers, and RNG state."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import values
+from .items import TensorItem, ValueItem
+from .providers import Context, Problems, StateProvider, compare, matching, register_provider
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The user's module inside DDP/FSDP-style (``.module``) and compiled (``._orig_mod``) wrappers."""
+    while True:
+        if hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
+            module = module._orig_mod
+        elif type(module).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
+            getattr(module, "module", None), nn.Module
+        ):
+            module = module.module
+        else:
+            return module
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter)`` -> fully qualified name (first name wins for tied weights)."""
+    names: dict[int, str] = {}
+    for name, p in unwrap(module).named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return names
+
+
+class ModuleProvider(StateProvider):
+    """Parameters and persistent buffers by fully qualified name."""
+
+    def _tensors(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return {
+            k: v for k, v in unwrap(module).state_dict(keep_vars=True).items()
+            if isinstance(v, torch.Tensor)
+        }
+
+    def items(self, module, ctx):
+        for name, t in self._tensors(module).items():
+            # Buffers (BatchNorm statistics) change during forward: copy them first.
+            yield TensorItem(name, t.detach(), volatile=not isinstance(t, nn.Parameter))
+
+    def load(self, module, state, ctx):
+        live = self._tensors(module)
+        with torch.no_grad():
+            for name in matching(live, state):
+                live[name].copy_(state.tensor(name))
+        return module
+
+
+class OptimizerProvider(StateProvider):
+    """Optimizer state keyed by parameter names, so that restore survives a reordering.
+
+    Items: the value ``param_groups`` (hyper-parameters, params as names, the
+    optimizer's type), tensors ``state/<param>/<key>``, and non-tensor state
+    values under the same names.
+    """
+
+    def _names(self, opt: torch.optim.Optimizer, ctx: Context) -> list[list[str]]:
+        out, k = [], 0
+        for group in opt.param_groups:
+            names = []
+            for p in group["params"]:
+                names.append(ctx.param_names.get(id(p), f"@{k}"))
+                k += 1
+            out.append(names)
+        return out
+
+    def items(self, opt, ctx):
+        groups = []
+        for group, names in zip(opt.param_groups, self._names(opt, ctx)):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({"params": names, "options": values.encode(hyper, "param_groups")})
+        yield ValueItem("param_groups", {"type": type(opt).__qualname__, "groups": groups})
+        scalars = {}
+        for group, names in zip(opt.param_groups, self._names(opt, ctx)):
+            for p, pname in zip(group["params"], names):
+                for key, v in opt.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        yield TensorItem(f"state/{pname}/{key}", v.detach())
+                    else:
+                        scalars.setdefault(pname, {})[key] = values.encode(v, f"state/{pname}/{key}")
+        yield ValueItem("state", scalars)
+
+    def check(self, opt, state, ctx):
+        problems = Problems()
+        stored = state.values.get("param_groups")
+        if stored is None:
+            problems.missing.append("param_groups")
+            return problems
+        if stored["type"] != type(opt).__qualname__:
+            problems.mismatched.append(("param_groups", type(opt).__qualname__, stored["type"]))
+        have = {n for names in self._names(opt, ctx) for n in names}
+        saved = {n for g in stored["groups"] for n in g["params"]}
+        problems.missing += sorted(f"param {n}" for n in have - saved)
+        problems.unexpected += sorted(f"param {n}" for n in saved - have)
+        params = {n: p for g, names in zip(opt.param_groups, self._names(opt, ctx))
+                  for p, n in zip(g["params"], names)}
+        for name, rec in state.records.items():
+            pname = name.split("/")[1]
+            p = params.get(pname)
+            if p is not None and rec.shape not in (tuple(p.shape), ()) and len(rec.shape) > 0:
+                problems.mismatched.append((name, f"shape {list(p.shape)}", f"shape {list(rec.shape)}"))
+        return problems
+
+    def load(self, opt, state, ctx):
+        stored = state.values["param_groups"]
+        group_of = {n: g for g in stored["groups"] for n in g["params"]}
+        scalars = state.values.get("state", {})
+        problems = self.check(opt, state, ctx)
+        bad = {n for n, _, _ in problems.mismatched}
+        sd_groups, sd_state, k = [], {}, 0
+        for group, names in zip(opt.param_groups, self._names(opt, ctx)):
+            options = {key: v for key, v in group.items() if key != "params"}
+            found = next((group_of[n] for n in names if n in group_of), None)
+            if found is not None:
+                options.update(values.decode(found["options"]))
+            ids = []
+            for name in names:
+                entry = {key: values.decode(v) for key, v in scalars.get(name, {}).items()}
+                for rname in state.records:
+                    if rname.split("/")[1] == name and rname not in bad:
+                        entry[rname.split("/", 2)[2]] = state.tensor(rname)
+                if entry:
+                    sd_state[k] = entry
+                ids.append(k)
+                k += 1
+            sd_groups.append({**options, "params": ids})
+        opt.load_state_dict({"state": sd_state, "param_groups": sd_groups})
+        return opt
+
+
+class RNG:
+    """The random number generators of this process: torch (CPU and CUDA), numpy, python."""
+
+
+class RNGProvider(StateProvider):
+    """Captures RNG states at write time (they are fresh copies, so safe to copy lazily)."""
+
+    def items(self, obj, ctx):
+        yield TensorItem("torch", torch.get_rng_state())
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for i, s in enumerate(torch.cuda.get_rng_state_all()):
+                yield TensorItem(f"cuda/{i}", s)
+        yield ValueItem("numpy", values.encode(_numpy_state(), "numpy RNG"))
+        yield ValueItem("python", values.encode(random.getstate(), "python RNG"))
+
+    def check(self, obj, state, ctx):
+        return Problems(missing=[n for n in ("torch",) if n not in state.records])
+
+    def load(self, obj, state, ctx):
+        torch.set_rng_state(state.tensor("torch"))
+        cuda = sorted(n for n in state.records if n.startswith("cuda/"))
+        if cuda and torch.cuda.is_available():
+            for name in cuda[: torch.cuda.device_count()]:
+                torch.cuda.set_rng_state(state.tensor(name), int(name.split("/")[1]))
+        if "numpy" in state.values:
+            kind, keys, pos, has_gauss, gauss = values.decode(state.values["numpy"])
+            np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+        if "python" in state.values:
+            random.setstate(values.decode(state.values["python"]))
+        return obj
+
+
+def _numpy_state():
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return (kind, keys.tolist(), int(pos), int(has_gauss), float(gauss))
+
+
+register_provider(nn.Module, ModuleProvider())
+register_provider(torch.optim.Optimizer, OptimizerProvider())
+register_provider(RNG, RNGProvider())

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs everything datastates-hist and its tests need, on a fresh Debian machine
+# or an existing environment. A torch that is already installed is kept (GPU users
+# bring their own); otherwise the CPU build torch==2.13.0 is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if ! command -v h5dump >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    # h5dump, to check that step files are plain HDF5 (a test uses it)
+    (apt-get install -y -q hdf5-tools >/dev/null 2>&1 ||
+        (apt-get update -q >/dev/null && apt-get install -y -q hdf5-tools >/dev/null)) ||
+        echo "install.sh: could not install hdf5-tools; the h5dump test will be skipped" >&2
+fi
+
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    "$PY" -m pip install -q "torch==2.13.0"
+fi
+"$PY" -m pip install -q -e ".[test]"
+"$PY" -c "import datastates_hist, torch, adios2, h5py; print('datastates-hist', datastates_hist.__version__, '| torch', torch.__version__, '| adios2', adios2.__version__, '| h5py', h5py.__version__)"
