@@ -341,15 +341,21 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
             for prefix, kind in objects.items():
                 key = prefix[6:]
                 if prefix.startswith("extra/") and key not in restored.extra:
-                    state = state_of(prefix)
-                    tensors = {n: state.tensor(n) for n in state.records}
-                    skeleton = state.values[""]
-                    if kind == "StateDictProvider":
-                        skeleton = skeleton["state"]
-                    restored.extra[key] = values_codec.decode(skeleton, tensors)
+                    restored.extra[key] = _rebuild(state_of(prefix), kind)
             return restored
     finally:
         store.close()
+
+
+def _rebuild(state: StoredState, kind: str) -> Any:
+    """An extra that was not passed to restore(): its value, tensors, or state dict."""
+    tensors = {n: state.tensor(n) for n in state.records}
+    if kind == "StateDictProvider":
+        return values_codec.decode(state.values[""]["state"], tensors)
+    if kind == "TreeProvider":
+        return values_codec.decode(state.values[""], tensors)
+    # written by a user-registered provider: its items, by relative name
+    return {**{n: values_codec.decode(v) for n, v in state.values.items()}, **tensors}
 
 
 def _under(name: str, prefix: str) -> bool:

@@ -133,7 +133,7 @@ def flatten(obj: Any, where: str) -> tuple[Any, dict[str, torch.Tensor]]:
             tensors[name] = torch.from_numpy(np.ascontiguousarray(x))
             return {"__ndarray__": name}
         if isinstance(x, dict):
-            if all(isinstance(k, str) for k in x):
+            if all(isinstance(k, str) for k in x) and not any(k in values.TAGS for k in x):
                 return {k: walk(v, path + (k,)) for k, v in x.items()}
             return {"__dict__": [[values.encode(k, where), walk(v, path + (str(k),))]
                                  for k, v in x.items()]}

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-_TAGS = ("__tuple__", "__bytes__", "__dict__", "__tensor__", "__ndarray__", "__float__")
+TAGS = ("__tuple__", "__bytes__", "__dict__", "__tensor__", "__ndarray__", "__float__")
 
 
 class UnsupportedValueError(TypeError):
@@ -42,7 +42,7 @@ def encode(value: Any, where: str) -> Any:
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": base64.b64encode(bytes(value)).decode()}
     if isinstance(value, dict):
-        if all(isinstance(k, str) for k in value) and not any(k in _TAGS for k in value):
+        if all(isinstance(k, str) for k in value) and not any(k in TAGS for k in value):
             return {k: encode(v, f"{where}.{k}") for k, v in value.items()}
         return {"__dict__": [[encode(k, where), encode(v, f"{where}[{k!r}]")] for k, v in value.items()]}
     raise UnsupportedValueError(

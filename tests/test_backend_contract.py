@@ -116,7 +116,8 @@ def test_any_committed_step_restores(run_dir, backend):
 
 def test_plain_values_round_trip(run_dir, backend):
     value = {"epoch": 3, "lr": 1e-3, "name": "x", "nested": {"t": (1, 2), "l": [None, True]},
-             "int_keys": {1: "a", 2: "b"}, "bytes": b"\x00\xff", "nan": float("nan")}
+             "int_keys": {1: "a", 2: "b"}, "bytes": b"\x00\xff", "nan": float("nan"),
+             "tag_like": {"__tuple__": [1, 2]}, "inf": float("-inf")}
     back = roundtrip(run_dir, backend, value)
     assert np.isnan(back.pop("nan")) and value.pop("nan") is not None
     assert back == value

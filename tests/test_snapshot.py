@@ -87,6 +87,9 @@ def test_user_registered_provider(run_dir):
         r = ckpt.restore(model=model, counter=target)
     assert r.extra["counter"] is target
     assert target.counts.tolist() == [1, 2, 3] and target.label == "saved"
+    with dh.Checkpointer(run_dir) as ckpt:  # not passed: its items come back by name
+        items = ckpt.restore(model=model).extra["counter"]
+    assert items["label"] == "saved" and items["counts"].tolist() == [1, 2, 3]
 
 
 def test_bound_objects_and_state_dict_extras(run_dir):
