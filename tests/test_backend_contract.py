@@ -178,7 +178,10 @@ class FailingBackend(Backend):
 
 
 @pytest.mark.parametrize("where", ["begin", "define", "put", "write_out", "finish"])
-def test_a_failed_step_is_not_committed_and_reported(run_dir, backend, where):
+def test_a_failed_step_is_not_committed_and_reported(run_dir, backend, where, monkeypatch):
+    from datastates_hist import backends
+
+    monkeypatch.setattr(backends, "_REGISTERED", dict(backends._REGISTERED))  # undone after the test
     name = f"failing-{backend}-{where}"
     register_backend(name, FailingBackend(get_backend(backend), 2, where))
     model = torch.nn.Linear(64, 64)
