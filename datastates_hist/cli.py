@@ -87,10 +87,12 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Table(show_edge=False, box=None, header_style="bold")
     for i, col in enumerate(columns):
-        out.add_column(col, justify="left" if i == 0 or col in ("name", "dtype", "time", "backend") else "right")
+        left = i == 0 or col in ("name", "dtype", "time", "backend")
+        out.add_column(col, justify="left" if left else "right", overflow="fold")
     for row in table:
         out.add_row(*row)
-    Console().print(out)
+    # names are long: never cut them when the output goes to a file or a pipe
+    Console(width=None if sys.stdout.isatty() else 240).print(out)
     return 0
 
 

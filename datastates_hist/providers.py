@@ -11,7 +11,6 @@ then :meth:`StateProvider.load`.
 
 from __future__ import annotations
 
-import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping

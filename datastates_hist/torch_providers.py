@@ -10,7 +10,7 @@ from torch import nn
 
 from . import values
 from .items import TensorItem, ValueItem
-from .providers import Context, Problems, StateProvider, compare, matching, register_provider
+from .providers import Context, Problems, StateProvider, matching, register_provider
 
 
 def unwrap(module: nn.Module) -> nn.Module:

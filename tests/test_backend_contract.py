@@ -1,6 +1,5 @@
 """The backend contract: every backend passes these or is not done."""
 
-import json
 import os
 
 import numpy as np

@@ -14,7 +14,7 @@ import os
 import numpy as np
 
 from . import _adios2_capi as capi
-from .base import Backend, StepReader, StepWriter, publish, remove_tree, step_stem
+from .base import Backend, StagedStepWriter, StepReader
 
 MANIFEST = "__manifest__"
 SUFFIX = ".bp"
@@ -28,11 +28,9 @@ def _file_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(shape) if len(shape) else (1,)
 
 
-class Adios2StepWriter(StepWriter):
+class Adios2StepWriter(StagedStepWriter):
     def __init__(self, steps_dir: str, step: int, parameters: dict[str, str]):
-        self.final = os.path.join(steps_dir, step_stem(step) + SUFFIX)
-        self.tmp = self.final + ".partial"
-        remove_tree(self.tmp)
+        super().__init__(steps_dir, step, SUFFIX)
         self.adios = capi.Adios()
         self.file = capi.FileWriter(self.adios, self.tmp, parameters)
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -56,18 +54,13 @@ class Adios2StepWriter(StepWriter):
         raw = np.frombuffer(manifest, dtype=np.uint8)
         self.file.define(MANIFEST, raw.dtype, raw.shape)
         self.file.put(MANIFEST, raw.ctypes.data, (0,), raw.shape)
-        self.file.close()
-        self.adios.close()
-        publish(self.tmp, self.final)
-        return os.path.basename(self.final)
+        return self.publish()
 
-    def abort(self):
+    def close_files(self):
         try:
             self.file.close()
-        except Exception:
-            pass
-        self.adios.close()
-        remove_tree(self.tmp)
+        finally:
+            self.adios.close()
 
 
 class Adios2StepReader(StepReader):

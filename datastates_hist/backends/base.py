@@ -48,6 +48,33 @@ class StepWriter(ABC):
     def abort(self) -> None: ...
 
 
+class StagedStepWriter(StepWriter):
+    """A writer whose unit is written at ``<final>.partial`` and renamed into place."""
+
+    def __init__(self, steps_dir: str, step: int, suffix: str):
+        self.step = step
+        self.final = os.path.join(steps_dir, step_stem(step) + suffix)
+        self.tmp = self.final + ".partial"
+        remove_tree(self.tmp)  # left by a crash
+
+    @abstractmethod
+    def close_files(self) -> None:
+        """Close what is open; after this the unit at ``self.tmp`` is complete."""
+
+    def publish(self) -> str:
+        """Close, make durable, rename into place; the location to record in the index."""
+        self.close_files()
+        publish(self.tmp, self.final)
+        return os.path.basename(self.final)
+
+    def abort(self) -> None:
+        try:
+            self.close_files()
+        except Exception:
+            pass  # the unit is removed anyway
+        remove_tree(self.tmp)
+
+
 class StepReader(ABC):
     @abstractmethod
     def manifest(self) -> bytes: ...

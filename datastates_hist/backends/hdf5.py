@@ -16,7 +16,7 @@ import os
 import h5py
 import numpy as np
 
-from .base import Backend, StepReader, StepWriter, publish, remove_tree, step_stem
+from .base import Backend, StagedStepWriter, StepReader
 
 MANIFEST = "__manifest__"
 SUFFIX = ".h5"
@@ -26,12 +26,9 @@ def _box(start, count) -> tuple:
     return tuple(slice(s, s + c) for s, c in zip(start, count))
 
 
-class HDF5StepWriter(StepWriter):
+class HDF5StepWriter(StagedStepWriter):
     def __init__(self, steps_dir: str, step: int):
-        self.step = step
-        self.final = os.path.join(steps_dir, step_stem(step) + SUFFIX)
-        self.tmp = self.final + ".partial"
-        remove_tree(self.tmp)
+        super().__init__(steps_dir, step, SUFFIX)
         self.file = h5py.File(self.tmp, "w", libver="latest")
         self.file.attrs["step"] = step
 
@@ -55,16 +52,10 @@ class HDF5StepWriter(StepWriter):
 
     def finish(self, manifest: bytes) -> str:
         self.file.create_dataset(MANIFEST, data=np.frombuffer(manifest, dtype=np.uint8))
-        self.file.close()
-        publish(self.tmp, self.final)
-        return os.path.basename(self.final)
+        return self.publish()
 
-    def abort(self):
-        try:
-            self.file.close()
-        except Exception:
-            pass
-        remove_tree(self.tmp)
+    def close_files(self):
+        self.file.close()
 
 
 class HDF5StepReader(StepReader):
