@@ -156,6 +156,7 @@ class Checkpointer:
                         items_values[name] = item.value
                     else:
                         _check_tensor(name, item.tensor)
+                        _check_shard(name, item)
                         item.name = name
                         tensors.append(item)
             except values_codec.UnsupportedValueError as exc:
@@ -375,6 +376,20 @@ def _check_tensor(name: str, t: torch.Tensor) -> None:
         storage_dtype(t.dtype)
     except TypeError:
         raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which cannot be stored") from None
+
+
+def _check_shard(name: str, item: TensorItem) -> None:
+    if (item.global_shape is None) != (item.offset is None):
+        raise ValueError(f"shard {name!r} needs both global_shape and offset")
+    if item.global_shape is not None:
+        shape = tuple(item.tensor.shape)
+        if len(item.global_shape) != len(shape) or len(item.offset) != len(shape) or any(
+            o < 0 or o + n > g for o, n, g in zip(item.offset, shape, item.global_shape)
+        ):
+            raise ValueError(
+                f"shard {name!r} of shape {list(shape)} at offset {list(item.offset)} does not fit "
+                f"its global shape {list(item.global_shape)}"
+            )
 
 
 def _take_lock(run_dir: str) -> int:

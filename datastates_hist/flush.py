@@ -117,6 +117,7 @@ class Flusher:
             step.records.append(TensorRecord(
                 item.name, dtype_name(t.dtype), tuple(t.shape),
                 t.numel() * sdtype.itemsize, digest.checksum(), "raw", digest.stats(),
+                item.global_shape, item.offset,
             ))
 
     def _finish(self, step: _Step) -> None:

@@ -53,13 +53,18 @@ class TensorRecord:
     checksum: str = ""
     encoding: str = "raw"  # room for delta encodings against earlier steps
     stats: dict[str, float] = field(default_factory=dict)
+    global_shape: tuple[int, ...] | None = None  # set when the tensor is a shard
+    offset: tuple[int, ...] | None = None
 
     def to_json(self) -> dict:
-        return {
+        doc = {
             "name": self.name, "dtype": self.dtype, "shape": list(self.shape),
             "nbytes": self.nbytes, "checksum": self.checksum,
             "encoding": self.encoding, "stats": self.stats,
         }
+        if self.global_shape is not None:
+            doc["global_shape"], doc["offset"] = list(self.global_shape), list(self.offset)
+        return doc
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorRecord":
@@ -67,4 +72,6 @@ class TensorRecord:
             name=data["name"], dtype=data["dtype"], shape=tuple(data["shape"]),
             nbytes=int(data["nbytes"]), checksum=data.get("checksum", ""),
             encoding=data.get("encoding", "raw"), stats=dict(data.get("stats", {})),
+            global_shape=tuple(data["global_shape"]) if "global_shape" in data else None,
+            offset=tuple(data["offset"]) if "offset" in data else None,
         )

@@ -3,6 +3,7 @@
 import random
 
 import numpy as np
+import pytest
 import torch
 
 import datastates_hist as dh
@@ -112,3 +113,31 @@ def test_bound_objects_and_state_dict_extras(run_dir):
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     assert torch.equal(opt2.state[model2.weight]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"])
     assert torch.equal(model2.weight, model.weight)
+
+
+class Sharded:
+    def __init__(self, part, offset):
+        self.part, self.offset = part, offset
+
+
+class ShardProvider(dh.StateProvider):
+    def items(self, obj, ctx):
+        yield dh.TensorItem("w", obj.part, global_shape=(8, 4), offset=obj.offset)
+
+    def load(self, obj, state, ctx):
+        obj.part.copy_(state.tensor("w"))
+        return obj
+
+
+def test_shards_record_their_place_in_the_global_tensor(run_dir):
+    dh.register_provider(Sharded, ShardProvider())
+    model = torch.nn.Linear(2, 2)
+    with dh.Checkpointer(run_dir) as ckpt:
+        ckpt.write(0, model, shard=Sharded(torch.ones(4, 4), (4, 0)))
+        with pytest.raises(ValueError, match=r"shard 'extra/shard/w' of shape \[4, 4\] at offset \[6, 0\] does not fit"):
+            ckpt.write(1, model, shard=Sharded(torch.ones(4, 4), (6, 0)))
+    store = Store(run_dir)
+    with store.open_step(0) as data:
+        rec = data.records["extra/shard/w"]
+    store.close()
+    assert rec.global_shape == (8, 4) and rec.offset == (4, 0) and rec.shape == (4, 4)
