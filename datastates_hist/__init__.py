@@ -7,6 +7,7 @@
 """
 
 from .checkpointer import Checkpointer, Restored
+from .history import History, open
 from .errors import (
     CheckpointError,
     CorruptionError,
@@ -24,7 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "Checkpointer", "Context", "CorruptionError", "FormatError",
-    "RestoreMismatchError", "Restored", "StateProvider", "StepNotFoundError", "StepOrderError",
+    "History", "RestoreMismatchError", "Restored", "open", "StateProvider", "StepNotFoundError", "StepOrderError",
     "StoreLockedError", "StoreNotFoundError", "StoredState", "TensorItem", "ValueItem",
     "register_provider",
 ]

@@ -265,14 +265,20 @@ class Checkpointer:
 
     def truncate(self, after: int) -> list[int]:
         """Drop committed steps after ``after`` (to branch the history from there)."""
+        from .retention import remove_steps
+
         self.wait()
-        doomed = [s for s in self.index.steps() if s > after]
-        rows = [self.index.step_row(s) for s in doomed]
-        self.index.delete_steps(doomed)  # first the index: readers stop seeing them at once
-        for row in rows:
-            get_backend(row.backend).remove_step(steps_dir(self.path), row.location)
+        removed = remove_steps(self.path, self.index, [s for s in self.index.steps() if s > after])
         self._last_step = self.index.latest()
-        return doomed
+        return removed
+
+    def prune(self, keep_last: int | None = None, keep_every: int | None = None,
+              dry_run: bool = False) -> list[int]:
+        """Delete committed steps that no rule keeps (see :mod:`retention`); returns them."""
+        from .retention import policies, prune_index
+
+        self.wait()
+        return prune_index(self.path, self.index, policies(keep_last, keep_every), dry_run)
 
     def restore(self, step: int | None = None, model: Any = None, optimizer: Any = None, *,
                 strict: bool = True, rng: bool = True, **extra: Any) -> Restored:

@@ -154,5 +154,16 @@ class Index:
             for name, dtype, shape, nbytes, checksum, encoding, *stats in rows
         ]
 
+    def tensor_stats(self, name: str) -> list[tuple]:
+        """``(step, time, norm, min, max, mean, std, nonfinite)`` of tensor ``name`` at every step."""
+        return self.conn.execute(
+            "SELECT t.step, s.time, t.norm, t.min, t.max, t.mean, t.std, t.nonfinite"
+            " FROM tensors t JOIN steps s ON s.step = t.step WHERE t.name=? ORDER BY t.step",
+            (name,),
+        ).fetchall()
+
+    def tensor_names(self) -> list[str]:
+        return [r[0] for r in self.conn.execute("SELECT DISTINCT name FROM tensors ORDER BY name")]
+
     def close(self) -> None:
         self.conn.close()

@@ -211,7 +211,7 @@ def register_provider(cls: type, provider: StateProvider) -> None:
 
 def provider_for(obj: Any) -> StateProvider:
     """The provider registered for ``obj``'s type (by MRO), else a generic one."""
-    from . import torch_providers  # noqa: F401  (registers the built-in providers)
+    from . import torch_providers  # noqa: F401 -- registers the built-in providers
 
     for cls in type(obj).__mro__:
         if cls in _REGISTRY:

@@ -66,6 +66,21 @@ class StepData:
             )
         return torch.from_numpy(out).view(dtype)
 
+    def read_box(self, name: str, start: tuple[int, ...], count: tuple[int, ...]) -> torch.Tensor:
+        """The box ``start``/``count`` of tensor ``name``, read alone.
+
+        A part of a tensor cannot be checked against the whole tensor's checksum:
+        use :meth:`read` (or ``datastates-hist verify``) where that matters.
+        """
+        rec = self.records.get(name)
+        if rec is None:
+            raise KeyError(f"step {self.row.step} has no tensor {name!r}")
+        dtype = torch_dtype(rec.dtype)
+        out = np.empty(count, dtype=storage_dtype(dtype))
+        if out.size:
+            self.reader.read(name, out, tuple(start))
+        return torch.from_numpy(out).view(dtype)
+
     def close(self) -> None:
         self.reader.close()
 
