@@ -167,8 +167,8 @@ def selection(index: Any, shape: tuple[int, ...]) -> tuple[tuple, tuple, tuple]:
 
 
 def _match(name: str, patterns: list[str] | None) -> bool:
-    if patterns is None:
-        return True
+    if patterns is None:  # RNG states change every step and say nothing about the model
+        return not name.startswith("rng/")
     short = name[len(MODEL_PREFIX):] if name.startswith(MODEL_PREFIX) else name
     return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(short, p) for p in patterns)
 
