@@ -1,0 +1,310 @@
+"""Benchmark datastates-hist against torch.save and PyTorch DCP, side by side, in one run.
+
+Sections (``--sections``, default all):
+  e2e      mean training step time checkpointing every iteration, for no checkpointing,
+           torch.save, torch.distributed.checkpoint.async_save and datastates-hist (each
+           backend); training-thread blocking per checkpoint; peak RSS.
+  flush    flush throughput of a state larger than the host cache, against dd with fdatasync
+           to the same target.
+  restore  restore time against torch.load(mmap=True) and torch.distributed.checkpoint.load.
+Each configuration runs in a fresh process; configurations alternate across repetitions so
+that drifts of a shared machine hit all alike. Medians are printed with ratios.
+
+    python tools/bench.py --sizes small --targets /dev/shm,/var/tmp --reps 3 [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
+
+E2E_CONFIGS = ("none", "torch.save", "dcp.async_save", "dh-adios2", "dh-hdf5")
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def state_of(model, opt) -> dict:
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def e2e_child(config: str, target: str, size: str, steps: int, warmup: int, cache_mb: int) -> dict:
+    """Train ``steps`` steps under one configuration."""
+    import torch
+    import torch.nn.functional as F
+
+    import train_gpt
+
+    torch.manual_seed(0)
+    model = train_gpt.build_model(size, block_size=128)
+    opt = train_gpt.make_optimizer(model, 1e-3)
+    corpus = train_gpt.load_corpus(2 << 20)
+    ckpt, pending = None, None
+    if config.startswith("dh-"):
+        import datastates_hist as dh
+
+        ckpt = dh.Checkpointer(target, backend=config[3:], host_cache_bytes=cache_mb << 20)
+    if config.startswith("dcp"):
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    step_times, blocked = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        x, y = train_gpt.get_batch(corpus, 8, 128)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        b0 = time.perf_counter()
+        if config == "torch.save":
+            torch.save(state_of(model, opt), os.path.join(target, f"step{step}.pt"))
+        elif config == "dcp.async_save":
+            if pending is not None:
+                pending.result()  # one in flight, as its documentation advises
+            pending = dcp.async_save(state_of(model, opt), checkpoint_id=os.path.join(target, f"step{step}"))
+        elif ckpt is not None:
+            ckpt.write(step, model, opt, data={"step": step})
+        t1 = time.perf_counter()
+        if step >= warmup:
+            step_times.append(t1 - t0)
+            blocked.append(t1 - b0)
+    d0 = time.perf_counter()
+    if pending is not None:
+        pending.result()
+    if ckpt is not None:
+        ckpt.close()
+        blocked = [ckpt.blocked_seconds / ckpt.writes]  # write() and the hooks' waits
+    drain = time.perf_counter() - d0
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
+    return {"step_s": statistics.median(step_times), "blocked_s": statistics.mean(blocked),
+            "drain_s": drain, "state_bytes": nbytes, "rss_mb": peak_rss_mb()}
+
+
+def flush_child(config: str, target: str, total_mb: int, cache_mb: int) -> dict:
+    """Write a synthetic state of ``total_mb`` through a host cache of ``cache_mb``."""
+    if config == "dd":
+        path = os.path.join(target, "dd.bin")
+        t0 = time.perf_counter()
+        subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=4M", f"count={total_mb // 4}",
+                        "conv=fdatasync"], check=True, capture_output=True)
+        return {"seconds": time.perf_counter() - t0, "mb": total_mb}
+    import torch
+
+    import datastates_hist as dh
+
+    tensors = {f"t{i}": torch.randn(16 << 20 >> 2) for i in range(total_mb // 16)}  # 16 MB each
+    ckpt = dh.Checkpointer(target, backend=config[3:], host_cache_bytes=cache_mb << 20)
+    t0 = time.perf_counter()
+    ckpt.write(0, torch.nn.Linear(1, 1), state=tensors)
+    ckpt.close()
+    return {"seconds": time.perf_counter() - t0, "mb": total_mb, "rss_mb": peak_rss_mb()}
+
+
+def restore_child(config: str, target: str, size: str) -> dict:
+    """Write one checkpoint of the example model, then time loading it back (in the same process,
+    after writing: the page cache holds the files for every configuration alike)."""
+    import warnings
+
+    import torch
+
+    import train_gpt
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    torch.manual_seed(0)
+    model = train_gpt.build_model(size, block_size=128)
+    opt = train_gpt.make_optimizer(model, 1e-3)
+    x = torch.randint(0, 256, (2, 128))
+    model(x).sum().backward()
+    opt.step()
+    fresh = train_gpt.build_model(size, block_size=128)
+    fresh_opt = train_gpt.make_optimizer(fresh, 1e-3)
+    if config == "torch.load":
+        path = os.path.join(target, "state.pt")
+        torch.save(state_of(model, opt), path)
+        t0 = time.perf_counter()
+        sd = torch.load(path, mmap=True, weights_only=True)
+        fresh.load_state_dict(sd["model"])
+        fresh_opt.load_state_dict(sd["optim"])
+    elif config == "dcp.load":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state_of(model, opt), checkpoint_id=os.path.join(target, "dcp"))
+        fresh_opt_state = {"model": fresh.state_dict(), "optim": state_of(model, opt)["optim"]}
+        fresh_opt_state = {"model": fresh.state_dict(),
+                           "optim": {"state": {k: {n: torch.empty_like(v) if torch.is_tensor(v) else v
+                                                   for n, v in s.items()}
+                                               for k, s in opt.state_dict()["state"].items()},
+                                     "param_groups": opt.state_dict()["param_groups"]}}
+        t0 = time.perf_counter()
+        dcp.load(fresh_opt_state, checkpoint_id=os.path.join(target, "dcp"))
+        fresh.load_state_dict(fresh_opt_state["model"])
+        fresh_opt.load_state_dict(fresh_opt_state["optim"])
+    else:
+        import datastates_hist as dh
+
+        with dh.Checkpointer(target, backend=config[3:]) as ckpt:
+            ckpt.write(0, model, opt)
+        t0 = time.perf_counter()
+        with dh.Checkpointer(target) as ckpt:
+            ckpt.restore(model=fresh, optimizer=fresh_opt)
+    seconds = time.perf_counter() - t0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+    return {"seconds": seconds}
+
+
+def run_child(section: str, config: str, target_root: str, args) -> dict:
+    target = os.path.join(target_root, f"dh-bench-{os.getpid()}")
+    shutil.rmtree(target, ignore_errors=True)
+    os.makedirs(target)
+    try:
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", section, config, target, "--sizes", args.size,
+             "--steps", str(args.steps), "--warmup", str(args.warmup), "--cache-mb", str(args.cache_mb),
+             "--flush-mb", str(args.flush_mb)],
+            check=True, capture_output=True, text=True,
+        )
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(f"{section} {config} on {target_root} failed:\n{exc.stderr}") from None
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def med(rs, key):
+    return statistics.median(r[key] for r in rs)
+
+
+def bench_e2e(args, targets, configs) -> list[dict]:
+    results: dict = {}
+    for target in targets:
+        for _ in range(args.reps):
+            for config in configs:
+                results.setdefault((target, config), []).append(run_child("e2e", config, target, args))
+    rows = []
+    for target in targets:
+        base = med(results[(target, "none")], "step_s") if "none" in configs else None
+        save = med(results[(target, "torch.save")], "blocked_s") if "torch.save" in configs else None
+        for config in configs:
+            rs = results[(target, config)]
+            rows.append({"target": target, "config": config, "step_ms": med(rs, "step_s") * 1e3,
+                         "vs_none": med(rs, "step_s") / base if base else None,
+                         "blocked_ms": med(rs, "blocked_s") * 1e3,
+                         "blocked_vs_torch_save": (med(rs, "blocked_s") / save
+                                                   if save and config != "none" else None),
+                         "drain_ms": med(rs, "drain_s") * 1e3, "peak_rss_mb": med(rs, "rss_mb"),
+                         "state_mb": rs[0]["state_bytes"] / 1e6})
+    return rows
+
+
+def bench_flush(args, targets, backends) -> list[dict]:
+    results: dict = {}
+    configs = ["dd"] + [f"dh-{b}" for b in backends]
+    for target in targets:
+        for _ in range(args.reps):
+            for config in configs:
+                results.setdefault((target, config), []).append(run_child("flush", config, target, args))
+    rows = []
+    for target in targets:
+        dd = args.flush_mb / med(results[(target, "dd")], "seconds")
+        for config in configs:
+            mbs = args.flush_mb / med(results[(target, config)], "seconds")
+            rows.append({"target": target, "config": config, "MB_per_s": mbs, "vs_dd": mbs / dd,
+                         "peak_rss_mb": med(results[(target, config)], "rss_mb")
+                         if config != "dd" else None})
+    return rows
+
+
+def bench_restore(args, targets, backends) -> list[dict]:
+    results: dict = {}
+    configs = ["torch.load", "dcp.load"] + [f"dh-{b}" for b in backends]
+    for target in targets:
+        for _ in range(args.reps):
+            for config in configs:
+                results.setdefault((target, config), []).append(run_child("restore", config, target, args))
+    rows = []
+    for target in targets:
+        tl, dl = med(results[(target, "torch.load")], "seconds"), med(results[(target, "dcp.load")], "seconds")
+        for config in configs:
+            s = med(results[(target, config)], "seconds")
+            rows.append({"target": target, "config": config, "ms": s * 1e3,
+                         "speedup_vs_torch_load": tl / s, "speedup_vs_dcp_load": dl / s})
+    return rows
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}")
+    if not rows:
+        return
+    cols = list(rows[0])
+    fmt = [lambda v: "" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))]
+    cells = [[fmt[0](r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths))))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sections", default="e2e,flush,restore")
+    p.add_argument("--sizes", default="small", help="example model sizes (tiny, small, medium)")
+    p.add_argument("--targets", default="/dev/shm," + tempfile.gettempdir())
+    p.add_argument("--configs", default=",".join(E2E_CONFIGS))
+    p.add_argument("--backends", default="adios2,hdf5")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--cache-mb", type=int, default=1024, help="datastates-hist host cache")
+    p.add_argument("--flush-mb", type=int, default=1024, help="state size of the flush section")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--child", nargs=3, metavar=("SECTION", "CONFIG", "TARGET"))
+    args = p.parse_args()
+    if args.child:
+        section, config, target = args.child
+        args.size = args.sizes
+        if section == "e2e":
+            out = e2e_child(config, target, args.size, args.steps, args.warmup, args.cache_mb)
+        elif section == "flush":
+            out = flush_child(config, target, args.flush_mb, args.cache_mb)
+        else:
+            out = restore_child(config, target, args.size)
+        print(json.dumps(out))
+        return
+    targets = args.targets.split(",")
+    backends = [b for b in args.backends.split(",") if b]
+    sections = args.sections.split(",")
+    report: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+    for size in args.sizes.split(","):
+        args.size = size
+        if "e2e" in sections:
+            report[f"e2e {size}"] = bench_e2e(args, targets, args.configs.split(","))
+        if "restore" in sections:
+            report[f"restore {size}"] = bench_restore(args, targets, backends)
+    if "flush" in sections:
+        args.size = args.sizes.split(",")[0]
+        report["flush"] = bench_flush(args, targets, backends)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    for title, rows in report.items():
+        if title != "machine":
+            print_table(title, rows)
+
+
+if __name__ == "__main__":
+    main()
