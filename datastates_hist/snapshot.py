@@ -163,8 +163,8 @@ class Snapshotter:
                 with torch.cuda.stream(self.stream):
                     dst.copy_(box, non_blocking=True)
                     event = self._mark(True)
-            else:
-                dst.copy_(box)
+            else:  # numpy: no OpenMP team competing with the training thread's
+                np.copyto(dst.numpy(), box.numpy())
             self.out.put(("piece", Piece(ckpt, index, region, start, count, k == len(boxes) - 1, event)))
         if not boxes:
             self.out.put(("piece", Piece(ckpt, index, None, (), tuple(t.shape), True)))
