@@ -123,9 +123,10 @@ class Snapshotter:
                 self.out.put(("end", ckpt))
 
     def _copy(self, ckpt: PendingCheckpoint) -> None:
-        cuda = any(t.tensor.is_cuda for t in ckpt.tensors)
-        if cuda and self.stream is None:
-            self.stream = torch.cuda.Stream()
+        device = next((t.tensor.device for t in ckpt.tensors if t.tensor.is_cuda), None)
+        cuda = device is not None
+        if cuda and (self.stream is None or self.stream.device != device):
+            self.stream = torch.cuda.Stream(device=device)  # a side stream: training's stays free
         if cuda and ckpt.ready_event is not None:
             self.stream.wait_event(ckpt.ready_event)
         for index, item in enumerate(ckpt.tensors):
