@@ -95,8 +95,8 @@ class History:
         A whole tensor is checked against its checksum; a selection reads only
         the bytes it needs, without that check.
         """
-        full = self.resolve(name, step)
         data = self.step_data(step)
+        full = name if name in data.records else self.resolve(name, step)
         if index is None:
             return data.read(full)
         shape = data.records[full].shape
