@@ -9,9 +9,11 @@ makes them durable and records the step in the index.
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import os
 import socket
+import sqlite3
 import sys
 import time
 import weakref
@@ -26,9 +28,11 @@ from .backends import get_backend
 from .cache import HostCache
 from .commit import commit_step, remove_uncommitted
 from .dtypes import storage_dtype
-from .errors import CheckpointError, RestoreMismatchError, StepOrderError, StoreLockedError
+from .errors import (
+    CheckpointError, CorruptionError, RestoreMismatchError, StepOrderError, StoreLockedError,
+)
 from .flush import Flusher
-from .index import Index
+from .index import Index, index_path
 from .items import TensorItem, ValueItem
 from .providers import Context, Problems, StoredState, provider_for
 from .snapshot import PendingCheckpoint, Snapshotter
@@ -66,25 +70,39 @@ class Checkpointer:
             are called without them.
         host_cache_bytes: the bound on host memory used by snapshots.
         piece_bytes: tensors larger than this are streamed through the cache in pieces.
+        refuse_nonfinite: fail (not commit) a step holding a NaN or infinite
+            value; by default such values are stored and counted in the statistics.
     """
 
     def __init__(self, path: str | os.PathLike, *, backend: str | None = None,
                  model: Any = None, optimizer: Any = None,
-                 host_cache_bytes: int = DEFAULT_CACHE_BYTES, piece_bytes: int = DEFAULT_PIECE_BYTES):
+                 host_cache_bytes: int = DEFAULT_CACHE_BYTES, piece_bytes: int = DEFAULT_PIECE_BYTES,
+                 refuse_nonfinite: bool = False):
         self.path = os.fspath(path)
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise NotADirectoryError(f"{self.path} is a file, not a run directory")
         try:
             os.makedirs(steps_dir(self.path), exist_ok=True)
-        except PermissionError as exc:
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
             raise PermissionError(f"cannot create the run directory {self.path}: {exc.strerror}") from exc
         if not os.access(self.path, os.W_OK):
             raise PermissionError(f"the run directory {self.path} is not writable")
         self._lock_fd = _take_lock(self.path)
-        self.index = Index(self.path, create=True, backend=backend or "adios2")
-        self.backend_name = backend or self.index.meta("backend") or "adios2"
-        self.backend = get_backend(self.backend_name)
-        remove_uncommitted(steps_dir(self.path), self.index)
+        self.index = None
+        try:
+            _check_index_exists(self.path)
+            self.index = Index(self.path, create=True, backend=backend or "adios2")
+            self.backend_name = backend or self.index.meta("backend") or "adios2"
+            self.backend = get_backend(self.backend_name)
+            remove_uncommitted(steps_dir(self.path), self.index)
+        except BaseException:  # give the lock back: a failed open must not block the next one
+            if self.index is not None:
+                self.index.close()
+            os.close(self._lock_fd)
+            raise
+        self.refuse_nonfinite = refuse_nonfinite
         self.model, self.optimizer = model, optimizer
         self.host_cache_bytes, self.piece_bytes = host_cache_bytes, piece_bytes
         self.cache: HostCache | None = None
@@ -169,7 +187,7 @@ class Checkpointer:
             return
         pin = torch.cuda.is_available() and any(t.tensor.is_cuda for t in ckpt.tensors)
         self.cache = HostCache(self.host_cache_bytes, pin=pin)
-        self._flusher = Flusher(self.cache, self._open_writer, self._commit)
+        self._flusher = Flusher(self.cache, self._open_writer, self._commit, self.refuse_nonfinite)
         self._snapshotter = Snapshotter(self.cache, self._flusher.inbox, self.piece_bytes)
 
     def _open_writer(self, step: int):
@@ -215,9 +233,11 @@ class Checkpointer:
             steps = ", ".join(str(c.step) for c in failed)
             if self._last_step in [c.step for c in failed]:
                 self._last_step = self.index.latest()
+            hint = ("; no space left on device: free space, then write again (committed steps are intact)"
+                    if _disk_full(first.error) else "")
             raise CheckpointError(
                 f"checkpoint of step {steps} in {self.path} failed and was not committed: "
-                f"{type(first.error).__name__}: {first.error}"
+                f"{type(first.error).__name__}: {first.error}{hint}"
             ) from first.error
 
     def _install_hooks(self, model: Any, optimizer: Any) -> None:
@@ -267,6 +287,8 @@ class Checkpointer:
         """Drop committed steps after ``after`` (to branch the history from there)."""
         from .retention import remove_steps
 
+        if not isinstance(after, int) or isinstance(after, bool):
+            raise TypeError(f"truncate(after=...) needs a step number (int), got {after!r}")
         self.wait()
         removed = remove_steps(self.path, self.index, [s for s in self.index.steps() if s > after])
         self._last_step = self.index.latest()
@@ -289,6 +311,10 @@ class Checkpointer:
         checksum is verified. RNG states are restored unless ``rng=False``.
         """
         self._check_open()
+        if step is not None:
+            if isinstance(step, bool) or not hasattr(step, "__index__"):
+                raise TypeError(f"restore() needs a step number (int) or None for the newest, got {step!r}")
+            step = step.__index__()
         self.wait()
         model = model if model is not None else self.model
         optimizer = optimizer if optimizer is not None else self.optimizer
@@ -296,6 +322,30 @@ class Checkpointer:
 
 
 _OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+def _check_index_exists(run_dir: str) -> None:
+    """Refuse to start a new index beside finished step data: the old index was
+    lost, and the new one would make the writer delete every step as uncommitted."""
+    if os.path.exists(index_path(run_dir)):
+        return
+    finished = [e for e in os.listdir(steps_dir(run_dir)) if not e.endswith(".partial")]
+    if finished:
+        raise CorruptionError(
+            f"{run_dir} holds {len(finished)} step(s) of data but no index ({index_path(run_dir)} is "
+            f"missing); nothing was changed. Rebuild the index with: datastates-hist repair {run_dir}"
+        )
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says the device is full."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(exc, sqlite3.OperationalError) and "disk is full" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 @atexit.register
@@ -376,6 +426,8 @@ def _rel(name: str, prefix: str) -> str:
 def _check_tensor(name: str, t: torch.Tensor) -> None:
     if t.device.type == "meta":
         raise ValueError(f"tensor {name!r} is on the meta device and has no data to checkpoint")
+    if t.is_nested:
+        raise TypeError(f"tensor {name!r} is a nested tensor; only dense tensors can be checkpointed")
     if t.layout != torch.strided:
         raise TypeError(f"tensor {name!r} has layout {t.layout}; only dense tensors can be checkpointed")
     try:

@@ -38,8 +38,10 @@ class Flusher:
     """The flusher thread; ``open_writer(step)`` and ``commit(ckpt, writer, records)``
     are given by the Checkpointer, so that this module knows no backend or index."""
 
-    def __init__(self, cache: HostCache, open_writer: Callable, commit: Callable):
+    def __init__(self, cache: HostCache, open_writer: Callable, commit: Callable,
+                 refuse_nonfinite: bool = False):
         self.cache = cache
+        self.refuse_nonfinite = refuse_nonfinite
         self.open_writer = open_writer
         self.commit = commit
         self.inbox: queue.Queue = queue.Queue()
@@ -113,9 +115,15 @@ class Flusher:
             step.writer.put(item.name, array, piece.start)
             self.unwritten.append(piece.region)
         if piece.last:
+            stats = digest.stats()
+            if self.refuse_nonfinite and stats["nonfinite"]:
+                raise ValueError(
+                    f"tensor {item.name!r} holds {stats['nonfinite']} NaN or infinite value(s); "
+                    "refused because refuse_nonfinite=True"
+                )
             step.records.append(TensorRecord(
                 item.name, dtype_name(t.dtype), tuple(t.shape),
-                t.numel() * sdtype.itemsize, digest.checksum(), "raw", digest.stats(),
+                t.numel() * sdtype.itemsize, digest.checksum(), "raw", stats,
                 item.global_shape, item.offset,
             ))
 

@@ -14,7 +14,7 @@ import sqlite3
 import time
 from dataclasses import dataclass
 
-from .errors import FormatError, StoreNotFoundError
+from .errors import CorruptionError, FormatError, StoreNotFoundError
 from .items import TensorRecord
 
 FORMAT_VERSION = 1
@@ -66,7 +66,11 @@ def index_path(run_dir: str) -> str:
 
 def _connect(path: str, readonly: bool) -> sqlite3.Connection:
     if readonly:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30, check_same_thread=False)
+        # On a read-only file system SQLite cannot create the WAL's -shm file; a
+        # closed run there has no -wal and nobody can change it, so open it immutable.
+        frozen = not os.access(os.path.dirname(path) or ".", os.W_OK) and not os.path.exists(path + "-wal")
+        uri = f"file:{path}?mode=ro" + ("&immutable=1" if frozen else "")
+        conn = sqlite3.connect(uri, uri=True, timeout=30, check_same_thread=False)
     else:
         conn = sqlite3.connect(path, timeout=30, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
@@ -75,31 +79,56 @@ def _connect(path: str, readonly: bool) -> sqlite3.Connection:
     return conn
 
 
+# SQLite errors that say the index could not be opened, not that it is damaged.
+_NOT_DAMAGE = ("SQLITE_CANTOPEN", "SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_READONLY", "SQLITE_PERM",
+               "SQLITE_AUTH", "SQLITE_FULL", "SQLITE_NOMEM", "SQLITE_IOERR")
+
+
 class Index:
     """One connection to a run's index (use one per thread)."""
 
     def __init__(self, run_dir: str, create: bool = False, backend: str | None = None):
         self.path = index_path(run_dir)
-        if not os.path.exists(self.path):
-            if not create:
-                raise StoreNotFoundError(f"{run_dir} is not a datastates-hist run (no {INDEX_FILE})")
-            self.conn = _connect(self.path, readonly=False)
-            with self.conn:
-                self.conn.executescript(SCHEMA)
-                self.conn.executemany(
-                    "INSERT OR IGNORE INTO meta VALUES (?, ?)",
-                    [("format_version", str(FORMAT_VERSION)), ("backend", backend or ""),
-                     ("created", str(time.time()))],
-                )
-        else:
-            self.conn = _connect(self.path, readonly=not create)
-        self._check_format(run_dir)
+        self.conn = None
+        try:
+            if not os.path.exists(self.path):
+                if not create:
+                    raise StoreNotFoundError(f"{run_dir} is not a datastates-hist run (no {INDEX_FILE})")
+                self.conn = _connect(self.path, readonly=False)
+                with self.conn:  # one transaction: readers never see half a schema
+                    self.conn.executescript("BEGIN;" + SCHEMA)
+                    self.conn.executemany(
+                        "INSERT OR IGNORE INTO meta VALUES (?, ?)",
+                        [("format_version", str(FORMAT_VERSION)), ("backend", backend or ""),
+                         ("created", str(time.time()))],
+                    )
+            else:
+                self.conn = _connect(self.path, readonly=not create)
+                if not create and not self.conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone():
+                    raise StoreNotFoundError(  # a writer is creating it (or it was emptied)
+                        f"{run_dir} has an empty index ({INDEX_FILE} has no tables): it is being "
+                        f"created, or it was lost (then rebuild it with: datastates-hist repair {run_dir})"
+                    )
+            self._check_format(run_dir)
+        except sqlite3.DatabaseError as exc:
+            self.close()
+            if getattr(exc, "sqlite_errorname", "").startswith(_NOT_DAMAGE):
+                raise FormatError(f"the index of {run_dir} cannot be read: {exc}") from exc
+            raise CorruptionError(
+                f"the index {self.path} is damaged ({exc}); rebuild it from the step data with: "
+                f"datastates-hist repair {run_dir}"
+            ) from exc
+        except BaseException:
+            self.close()
+            raise
 
     def _check_format(self, run_dir: str) -> None:
-        try:
-            row = self.conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()
-        except sqlite3.DatabaseError as exc:
-            raise FormatError(f"the index of {run_dir} cannot be read: {exc}") from exc
+        # quick_check walks every page once (about 0.1 s for 1000 steps of 300
+        # tensors), so a damaged index is named here rather than by a later query.
+        found = [r[0] for r in self.conn.execute("PRAGMA quick_check")]
+        if found != ["ok"]:
+            raise sqlite3.DatabaseError("; ".join(found[:3]))
+        row = self.conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()
         version = int(row[0]) if row else 0
         if version > FORMAT_VERSION:
             raise FormatError(
@@ -166,4 +195,5 @@ class Index:
         return [r[0] for r in self.conn.execute("SELECT DISTINCT name FROM tensors ORDER BY name")]
 
     def close(self) -> None:
-        self.conn.close()
+        if self.conn is not None:
+            self.conn.close()

@@ -36,7 +36,12 @@ class StepData:
 
     def __init__(self, run_dir: str, row: StepRow, reader: StepReader):
         self.run_dir, self.row, self.reader = run_dir, row, reader
-        raw = reader.manifest()
+        try:
+            raw = reader.manifest()
+        except Exception as exc:
+            raise CorruptionError(
+                f"the manifest of step {row.step} in {run_dir} cannot be read: the step's data is damaged ({exc})"
+            ) from exc
         if checksum_bytes(raw) != row.manifest_checksum:
             raise CorruptionError(
                 f"the manifest of step {row.step} in {run_dir} does not match its checksum: "
@@ -118,16 +123,35 @@ class Store:
         return latest
 
     def records(self, step: int) -> list[TensorRecord]:
-        self.row(step)
-        return self.index.records(step)
+        records = self.index.records(step)
+        if not records:  # the step is not committed, or was pruned: its rows go in one transaction
+            self.row(step)
+        return records
 
     def open_step(self, step: int) -> StepData:
         row = self.row(step)
-        backend = get_backend(row.backend)
+        try:
+            return self._open(row)
+        except Exception as exc:
+            # A writer may have pruned the step (or truncated and rewritten it)
+            # between reading its row and opening its data: that is no damage.
+            now = self.index.step_row(step)
+            if now is None:
+                raise StepNotFoundError(
+                    f"step {step} was removed from {self.run_dir} while it was being opened"
+                ) from exc
+            if now != row:
+                return self._open(now)
+            raise
+
+    def _open(self, row: StepRow) -> StepData:
+        step, backend = row.step, get_backend(row.backend)
         try:
             reader = backend.open_step(steps_dir(self.run_dir), row.location)
         except FileNotFoundError as exc:
             raise CorruptionError(f"step {step} is committed in {self.run_dir} but its data is missing: {exc}") from exc
+        except Exception as exc:  # damaged files fail in whatever way their library chooses
+            raise CorruptionError(f"the data of step {step} in {self.run_dir} is damaged: {exc}") from exc
         try:
             return StepData(self.run_dir, row, reader)
         except BaseException:

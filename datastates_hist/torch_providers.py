@@ -48,10 +48,20 @@ class ModuleProvider(StateProvider):
             # Buffers (BatchNorm statistics) change during forward: copy them first.
             yield TensorItem(name, t.detach(), volatile=not isinstance(t, nn.Parameter))
 
+    def check(self, module, state, ctx):
+        problems = super().check(module, state, ctx)
+        # copy_ into a meta tensor does nothing: loading would silently leave the model empty
+        problems.mismatched += [(n, "a tensor with data", "a meta tensor: materialize the model first "
+                                 "(model.to_empty(device=...))")
+                                for n, t in self._tensors(module).items() if t.is_meta]
+        return problems
+
     def load(self, module, state, ctx):
         live = self._tensors(module)
         with torch.no_grad():
             for name in matching(live, state):
+                if live[name].is_meta:
+                    continue
                 live[name].copy_(state.tensor(name))
         return module
 

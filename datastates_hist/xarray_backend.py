@@ -203,6 +203,8 @@ def _changes(per_step: dict[int, tuple]) -> list[str]:
 
 def _times(history: History, steps: list[int]) -> np.ndarray:
     wall = {r.step: r.time for r in history.store.index.step_rows()}
+    if any(s not in wall for s in steps):  # pruned by a writer since the steps were chosen
+        raise StepNotFoundError(f"steps {[s for s in steps if s not in wall]} were removed from {history.path}")
     return pd.to_datetime([wall[s] for s in steps], unit="s").values
 
 

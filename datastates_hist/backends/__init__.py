@@ -33,7 +33,8 @@ def get_backend(name: str) -> Backend:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ImportError(f"the {name!r} backend cannot be used: {exc}") from exc
+        hint = f" (pip install {exc.name})" if exc.name else ""
+        raise ImportError(f"the {name!r} backend cannot be used: {exc}{hint}") from exc
     backend = getattr(module, cls_name)()
     _REGISTERED[name] = backend
     return backend

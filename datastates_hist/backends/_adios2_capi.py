@@ -12,6 +12,7 @@ raises :class:`Adios2Error` naming the call and the file.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import threading
 from ctypes import POINTER, c_char_p, c_int, c_size_t, c_void_p
@@ -97,7 +98,8 @@ def library() -> ctypes.CDLL:
             path = os.path.join(folder, "libadios2_c.so")
             if not os.path.exists(path):
                 raise ImportError(f"the adios2 package at {folder} has no libadios2_c.so")
-            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            # use_errno: a failed write is told apart (a full disk) by the errno it left
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL, use_errno=True)
             _signatures(lib)
             _lib = lib
         return _lib
@@ -120,6 +122,10 @@ class Adios:
 
     def check(self, rc: int, what: str, path: str) -> None:
         if rc != 0:
+            err = ctypes.get_errno()
+            ctypes.set_errno(0)
+            if err in (errno.ENOSPC, errno.EDQUOT):
+                raise OSError(err, f"{os.strerror(err)} (ADIOS2 {what} failed)", path)
             raise Adios2Error(f"ADIOS2 {what} failed (error {rc}) on {path}")
 
     def new_io(self, engine: str, parameters: dict[str, str]) -> int:
@@ -141,6 +147,11 @@ class Adios:
         if self.handle:
             self.lib.adios2_finalize(self.handle)
             self.handle = None
+
+    def abandon(self) -> None:
+        """Never finalize this context: an engine that could not close would be
+        closed again by a destructor, which aborts the process when that fails."""
+        self.handle = None
 
 
 class FileWriter:
@@ -188,11 +199,27 @@ class FileWriter:
         self.adios.check(rc, "perform_data_write", self.path)
 
     def close(self) -> None:
-        """End the step and close the file (writes the metadata)."""
-        if self.engine:
-            engine, self.engine = self.engine, None
+        """End the step and close the file (writes the metadata).
+
+        If that fails (a full disk), the file is given up: its data files are
+        emptied, which frees their space, so that ADIOS2 can close it; if even
+        that fails, the context is abandoned rather than finalized (see
+        :meth:`Adios.abandon`). The error is raised either way.
+        """
+        if not self.engine:
+            return
+        engine, self.engine = self.engine, None
+        try:
             self.adios.check(self.lib.adios2_end_step(engine), "end_step", self.path)
             self.adios.check(self.lib.adios2_close(engine), "close", self.path)
+        except (Adios2Error, OSError):
+            for name in os.listdir(self.path) if os.path.isdir(self.path) else []:
+                if name.startswith("data."):
+                    os.truncate(os.path.join(self.path, name), 0)
+            if self.lib.adios2_close(engine) != 0:
+                self.adios.abandon()
+            ctypes.set_errno(0)
+            raise
 
 
 class FileReader:

@@ -9,10 +9,13 @@ recorded in the manifest only. The manifest is the uint8 variable
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
 
+from ..digest import checksum_bytes
+from ..errors import CorruptionError
 from . import _adios2_capi as capi
 from .base import Backend, StagedStepWriter, StepReader
 
@@ -61,12 +64,14 @@ class Adios2StepWriter(StagedStepWriter):
             self.file.close()
         finally:
             self.adios.close()
+        write_checksums(self.tmp)
 
 
 class Adios2StepReader(StepReader):
     def __init__(self, path: str):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"step data {path} is missing")
+        check_checksums(path)
         self.path = path
         self.adios = capi.Adios()
         self.file = capi.FileReader(self.adios, path)
@@ -102,3 +107,59 @@ class Adios2Backend(Backend):
 
     def open_step(self, steps_dir, location):
         return Adios2StepReader(os.path.join(steps_dir, location))
+
+
+# ADIOS2 does not check its metadata, and reading damaged or truncated BP5
+# files can crash or hang the process. So each unit records the size of its
+# files and the xxh3 of its metadata files (data is covered by the tensors'
+# checksums), and readers check them before ADIOS2 opens the folder.
+CHECKSUMS = "checksums.json"
+_UNCHECKED = (CHECKSUMS, "profiling.json")
+
+
+def _files_json(files: dict) -> bytes:
+    return json.dumps(files, sort_keys=True, separators=(",", ":")).encode()
+
+
+def write_checksums(folder: str) -> None:
+    """Record sizes and metadata checksums of a closed BP5 folder (before it is fsynced)."""
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name in _UNCHECKED or not os.path.isfile(path):
+            continue
+        files[name] = {"size": os.path.getsize(path)}
+        if not name.startswith("data."):
+            with open(path, "rb") as f:
+                files[name]["xxh3"] = checksum_bytes(f.read())
+    doc = {"files": files, "xxh3": checksum_bytes(_files_json(files))}
+    with open(os.path.join(folder, CHECKSUMS), "w") as f:
+        json.dump(doc, f)
+
+
+def check_checksums(folder: str) -> None:
+    """Raise :class:`CorruptionError` naming the damaged file; units written
+    without ``checksums.json`` are not checked."""
+    path = os.path.join(folder, CHECKSUMS)
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+        files = doc["files"]
+        intact = checksum_bytes(_files_json(files)) == doc["xxh3"]
+    except (ValueError, KeyError, TypeError):
+        intact = False
+    if not intact:
+        raise CorruptionError(f"{path} is damaged: the step's BP5 files cannot be checked")
+    for name, want in files.items():
+        file = os.path.join(folder, name)
+        if not os.path.isfile(file):
+            raise CorruptionError(f"{file} is missing from the step's BP5 files")
+        size = os.path.getsize(file)
+        if size != want["size"]:
+            raise CorruptionError(f"{file} has {size} bytes, {want['size']} were written: it is truncated or damaged")
+        if "xxh3" in want:
+            with open(file, "rb") as f:
+                if checksum_bytes(f.read()) != want["xxh3"]:
+                    raise CorruptionError(f"{file} does not match its checksum: the step's BP5 metadata is damaged")

@@ -2,7 +2,8 @@
 
 Each command is a module of this package with ``add_parser(subparsers)`` and
 ``run(args) -> int``. Exit codes: 0 success, 1 a check failed (``verify``),
-2 bad usage, 3 missing run, step or tensor, 4 damaged or unreadable store.
+2 bad usage, 3 missing run, step or tensor, 4 damaged or unreadable store,
+5 the run is locked by a writer.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import argparse
 import importlib
 import sys
 
-from ..errors import CorruptionError, FormatError, StepNotFoundError, StoreNotFoundError
+from ..errors import (
+    CorruptionError, FormatError, StepNotFoundError, StoreLockedError, StoreNotFoundError,
+)
 
-COMMANDS = ("ls", "show")
+COMMANDS = ("ls", "show", "diff", "trace", "export", "prune", "verify", "repair")
 
-EXIT_FAILED, EXIT_USAGE, EXIT_MISSING, EXIT_DAMAGED = 1, 2, 3, 4
+EXIT_FAILED, EXIT_USAGE, EXIT_MISSING, EXIT_DAMAGED, EXIT_LOCKED = 1, 2, 3, 4, 5
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CorruptionError, FormatError) as exc:
         print(f"datastates-hist: {exc}", file=sys.stderr)
         return EXIT_DAMAGED
+    except StoreLockedError as exc:
+        print(f"datastates-hist: {exc}", file=sys.stderr)
+        return EXIT_LOCKED
     except ValueError as exc:
         print(f"datastates-hist: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -1,0 +1,43 @@
+"""``datastates-hist repair RUN``: rebuild a damaged or lost index from the step data.
+
+The old index is moved aside (``index.sqlite.damaged-<time>``), never deleted;
+steps whose data is damaged are moved to ``RUN/damaged/``. Refuses while a
+writer holds the run. Exit 0 when the index is healthy or was rebuilt from
+every step unit, 1 when some unit could not be committed.
+"""
+
+from __future__ import annotations
+
+from ..repair import repair_run
+from . import EXIT_FAILED
+from .output import add_json_flag, emit
+
+
+def add_parser(sub):
+    cmd = sub.add_parser("repair", help="rebuild a damaged index from the step data")
+    cmd.add_argument("run", help="the run directory")
+    cmd.add_argument("--force", action="store_true", help="rebuild even when the index looks healthy")
+    cmd.add_argument("--no-verify", dest="verify", action="store_false",
+                     help="commit steps whose manifest parses without reading every tensor")
+    add_json_flag(cmd)
+    return cmd
+
+
+def run(args) -> int:
+    report = repair_run(args.run, force=args.force, verify=args.verify)
+    if args.json:
+        emit(args, [], [], report.to_json())
+    elif not report.rebuilt:
+        print(f"{args.run}: {report.diagnosis}")
+    else:
+        print(f"{args.run}: {report.diagnosis}")
+        if report.moved_index:
+            print(f"  the old index was moved to {report.moved_index}")
+        steps = report.steps
+        span = f" ({steps[0]}..{steps[-1]})" if steps else ""
+        print(f"  rebuilt the index with {len(steps)} steps{span}")
+        for unit, why in report.set_aside.items():
+            print(f"  not committed, moved to damaged/{unit}: {why}")
+        if report.lost:
+            print(f"  steps the old index named whose data is gone: {', '.join(map(str, report.lost))}")
+    return EXIT_FAILED if report.set_aside else 0

@@ -1,0 +1,81 @@
+"""``datastates-hist verify RUN [STEP ...]``: re-read every tensor and check its checksum.
+
+Exit 0 when every step checked is intact, 1 when anything is damaged (each
+problem is printed with its step and tensor), 3 for a missing run or step,
+4 when the index itself is damaged (then see ``datastates-hist repair``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..store import Store
+from ..verify import verify_run
+from . import EXIT_FAILED
+from .output import add_json_flag, emit, size
+
+
+def add_parser(sub):
+    cmd = sub.add_parser("verify", help="check every tensor of a run against its checksum")
+    cmd.add_argument("run", help="the run directory")
+    cmd.add_argument("steps", type=int, nargs="*", metavar="STEP", help="steps to check (default: all)")
+    add_json_flag(cmd)
+    return cmd
+
+
+def run(args) -> int:
+    store = Store(args.run)
+    try:
+        rows = [store.row(s) for s in args.steps] if args.steps else store.index.step_rows()
+    finally:
+        store.close()
+    checked = {"steps": set(), "tensors": 0, "bytes": 0}
+
+    def count(step, tensor, nbytes):
+        checked["steps"].add(step)
+        checked["tensors"] += tensor is not None
+        checked["bytes"] += nbytes
+
+    with _progress_bar(sum(r.nbytes for r in rows), quiet=args.json) as advance:
+        def progress(step, tensor, nbytes):
+            count(step, tensor, nbytes)
+            advance(nbytes, f"step {step}")
+
+        problems = verify_run(args.run, [r.step for r in rows], progress)
+    summary = {"run": args.run, "steps": len(checked["steps"]), "tensors": checked["tensors"],
+               "bytes": checked["bytes"], "problems": [p.to_json() for p in problems]}
+    if args.json:
+        emit(args, [], [], summary)
+    elif problems:
+        emit(args, ["step", "tensor", "problem"],
+             [[str(p.step), p.tensor or "(whole step)", p.message] for p in problems], None,
+             left=("tensor", "problem"))
+        print(f"{len(problems)} problem(s) in {len({p.step for p in problems})} of "
+              f"{summary['steps']} steps of {args.run}", file=sys.stderr)
+    else:
+        print(f"verified {summary['steps']} steps, {summary['tensors']} tensors, "
+              f"{size(summary['bytes'])} of {args.run}: every checksum matches")
+    return EXIT_FAILED if problems else 0
+
+
+class _progress_bar:
+    """A rich progress bar on stderr, shown only in a terminal; yields ``advance(n, label)``."""
+
+    def __init__(self, total: int, quiet: bool):
+        self.total, self.quiet = total, quiet or not sys.stderr.isatty()
+
+    def __enter__(self):
+        if self.quiet:
+            return lambda n, label: None
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                            TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+        self.bar.start()
+        task = self.bar.add_task("verifying", total=self.total)
+        return lambda n, label: self.bar.update(task, advance=n, description=label)
+
+    def __exit__(self, *exc):
+        if not self.quiet:
+            self.bar.stop()

@@ -1,0 +1,157 @@
+"""Verify a run: re-read every tensor of its committed steps and check it.
+
+For each step, :func:`verify_run` opens the step's data (which checks the
+manifest against the index, and for ADIOS2 the BP5 files against their
+recorded sizes and checksums), compares the index's tensor rows with the
+manifest, then reads every tensor and recomputes its xxh3-64 checksum. It
+never stops at the first problem: every damaged step and tensor is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
+
+from .errors import CorruptionError, StepNotFoundError
+from .index import FORMAT_VERSION
+from .store import StepData, Store
+
+Progress = Callable[[int, "str | None", int], None]
+"""Called as ``progress(step, tensor, nbytes)`` after each tensor is checked
+(``tensor`` is None when a whole step is skipped as damaged)."""
+
+
+@dataclass
+class Problem:
+    """One damaged thing: a tensor of a step, or (``tensor`` None) a whole step.
+
+    Attributes:
+        step: the committed step.
+        tensor: the tensor's item name, or None when the step's data, its
+            manifest or its index row is damaged as a whole.
+        message: what is wrong.
+    """
+
+    step: int
+    tensor: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"step {self.step}" + (f", tensor {self.tensor!r}" if self.tensor else "")
+        return f"{where}: {self.message}"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def verify_run(run_dir: str, steps: Iterable[int] | None = None,
+               progress: Progress | None = None) -> list[Problem]:
+    """Check the given committed steps of ``run_dir`` (default: all of them).
+
+    Raises:
+        StoreNotFoundError: no run at ``run_dir``.
+        CorruptionError: the index is damaged (see ``datastates-hist repair``).
+        StepNotFoundError: a step asked for is not committed.
+
+    Returns:
+        Every problem found, in step order; empty when the steps are intact.
+        Steps pruned by a writer while they were being checked are skipped.
+    """
+    store = Store(os.fspath(run_dir))
+    try:
+        _check_index(store)
+        if steps is None:
+            wanted = store.steps()
+        else:
+            wanted = sorted(set(steps))
+            for step in wanted:
+                store.row(step)  # a clear error for a step that is not committed
+        problems: list[Problem] = []
+        for step in wanted:
+            problems += verify_step(store, step, progress)
+        return problems
+    finally:
+        store.close()
+
+
+def _check_index(store: Store) -> None:
+    """The full SQLite check (opening runs the quicker one): it also compares
+    the index's b-trees with its tables."""
+    found = [r[0] for r in store.index.conn.execute("PRAGMA integrity_check")]
+    if found != ["ok"]:
+        raise CorruptionError(
+            f"the index {store.index.path} is damaged ({'; '.join(found[:3])}); rebuild it from the "
+            f"step data with: datastates-hist repair {store.run_dir}"
+        )
+
+
+def verify_step(store: Store, step: int, progress: Progress | None = None) -> list[Problem]:
+    """The problems of one committed step of an open :class:`Store`."""
+    row = store.index.step_row(step)
+    if row is None:
+        return []  # pruned since the list of steps was read
+    try:
+        data = store.open_step(step)
+    except StepNotFoundError:
+        return []
+    except Exception as exc:  # a damaged unit may fail in any way its library chooses
+        if progress:
+            progress(step, None, row.nbytes)
+        return [Problem(step, None, f"its data cannot be opened: {exc}")]
+    try:
+        try:
+            problems = _check_manifest(store, data)
+        except (sqlite3.DatabaseError, ValueError, KeyError, TypeError) as exc:
+            problems = [Problem(step, None, f"its manifest or index rows cannot be compared: {exc}")]
+        for name, rec in data.records.items():
+            try:
+                data.read(name)
+            except Exception as exc:
+                problems.append(Problem(step, name, str(exc)))
+            if progress:
+                progress(step, name, rec.nbytes)
+        if problems and store.index.step_row(step) != row:
+            return []  # pruned (or truncated and rewritten) by a writer while being checked
+        return problems
+    finally:
+        data.close()
+
+
+def _check_manifest(store: Store, data: StepData) -> list[Problem]:
+    """The manifest against its index rows: they must say the same."""
+    row, step = data.row, data.row.step
+    problems = []
+    doc = json.loads(data.reader.manifest())
+    if doc.get("step") != step:
+        problems.append(Problem(step, None, f"its manifest is of step {doc.get('step')}: the index row is damaged"))
+    if int(doc.get("format_version", 0)) > FORMAT_VERSION:
+        problems.append(Problem(step, None, f"written in format version {doc['format_version']}; "
+                                            f"this datastates-hist reads up to {FORMAT_VERSION}"))
+    indexed = {r.name: r for r in store.index.records(step)}
+    for name, rec in data.records.items():
+        have = indexed.pop(name, None)
+        if have is None:
+            problems.append(Problem(step, name, "the index has no row for this tensor of the manifest"))
+        elif not _same_record(have, rec):
+            problems.append(Problem(step, name, "its index row does not match the manifest: the index is damaged"))
+    problems += [Problem(step, name, "the index has a row for a tensor the manifest does not hold")
+                 for name in indexed]
+    if row.ntensors != len(data.records) or row.nbytes != sum(r.nbytes for r in data.records.values()):
+        problems.append(Problem(step, None, "its index row counts other tensors or bytes than the manifest"))
+    return problems
+
+
+def _same_record(a, b) -> bool:
+    # SQLite stores NaN as NULL, which the index reads back as a missing statistic
+    same_stats = all(_same_number(a.stats.get(k, math.nan), b.stats.get(k, math.nan))
+                     for k in a.stats.keys() | b.stats.keys())
+    return ((a.name, a.dtype, tuple(a.shape), a.nbytes, a.checksum, a.encoding)
+            == (b.name, b.dtype, tuple(b.shape), b.nbytes, b.checksum, b.encoding) and same_stats)
+
+
+def _same_number(x, y) -> bool:
+    return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))

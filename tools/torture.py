@@ -1,0 +1,330 @@
+"""Crash torture: kill a checkpointing process with SIGKILL, again and again.
+
+A child process trains a small model and checkpoints every step into one run,
+pruning old steps every few steps and now and then truncating the newest ones
+(branching). The parent kills it with SIGKILL at chosen moments: while it
+copies a snapshot, flushes pieces, publishes a step (fsync and rename),
+commits the index row, removes steps (retention), opens the run (restore and
+verify), or at a random time. After each kill a new child opens the same run,
+restores the newest committed step, verifies every checksum of every step
+(:func:`datastates_hist.verify.verify_run`) and resumes writing.
+
+Checked after every kill: no committed step was lost (a step committed before
+the kill is still committed after it, unless the child was removing it on
+purpose), the newest step restores with its own values, no data is left that
+no index row names, and no checksum fails. Zero failures are allowed.
+
+    python tools/torture.py --kills 100 --backend adios2
+
+Children are forked from a forkserver that has imported torch and the library
+once, so that a restart costs milliseconds, not seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import mmap
+import multiprocessing
+import os
+import random
+import shutil
+import struct
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# One byte per phase in a shared page: 1 while some thread of the child is in it.
+PHASES = ("snapshot", "flush", "publish", "index commit", "retention", "startup")
+SLOT = {name: i for i, name in enumerate(PHASES)}
+WRITES_AT = 16  # int32: writes issued by the current child
+TARGETS = PHASES + ("anywhere",)
+PRUNE_EVERY, KEEP_LAST, KEEP_EVERY = 5, 4, 25
+TRUNCATE_EVERY = 11
+
+
+# --- the child ----------------------------------------------------------------------------
+
+def _instrument(shared: mmap.mmap) -> None:
+    """Mark, in ``shared``, when the child is inside each phase (wrapping library calls)."""
+    from datastates_hist import retention
+    from datastates_hist.backends.base import StagedStepWriter
+    from datastates_hist.flush import Flusher
+    from datastates_hist.index import Index
+    from datastates_hist.snapshot import Snapshotter
+
+    def mark(owner, attr, phase):
+        original = getattr(owner, attr)
+
+        def marked(*args, **kwargs):
+            shared[SLOT[phase]] = 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                shared[SLOT[phase]] = 0
+
+        setattr(owner, attr, marked)
+
+    mark(Snapshotter, "_copy", "snapshot")
+    mark(Flusher, "_put", "flush")
+    mark(StagedStepWriter, "publish", "publish")
+    mark(Index, "commit_step", "index commit")
+    mark(retention, "remove_steps", "retention")
+
+
+def make_model(seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def child_main(run_dir: str, backend: str, shared_path: str, journal: str, reports: str,
+               seed: int, max_writes: int | None) -> None:
+    """Open the run, restore the newest step, verify everything, then train and checkpoint."""
+    import torch
+
+    import datastates_hist as dh
+    from datastates_hist.retention import doomed, policies
+    from datastates_hist.verify import verify_run
+
+    torch.set_num_threads(1)
+    with open(shared_path, "r+b") as f:
+        shared = mmap.mmap(f.fileno(), 64)
+    _instrument(shared)
+    shared[SLOT["startup"]] = 1
+    model, opt = make_model(seed)
+    ckpt = dh.Checkpointer(run_dir, backend=backend, host_cache_bytes=64 << 10, piece_bytes=8 << 10)
+    steps = ckpt.steps()
+    report = {"pid": os.getpid(), "steps": steps, "restored": None, "value": None,
+              "units": sorted(os.listdir(os.path.join(run_dir, "steps")))}
+    if steps:
+        restored = ckpt.restore(model=model, optimizer=opt)
+        report["restored"], report["value"] = restored.step, restored.extra.get("data")
+    problems = verify_run(run_dir)
+    report["problems"] = [str(p) for p in problems]
+    report["tensors_verified"] = sum(r.ntensors for r in ckpt.index.step_rows())
+    with open(reports, "a") as f:
+        f.write(json.dumps(report) + "\n")
+    shared[SLOT["startup"]] = 0
+
+    step, writes = (steps[-1] + 1 if steps else 0), 0
+    while max_writes is None or writes < max_writes:
+        model(torch.randn(16, 128)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ckpt.write(step, model, opt, data={"step": step})
+        writes += 1
+        struct.pack_into("<i", shared, WRITES_AT, writes)
+        if step % PRUNE_EVERY == PRUNE_EVERY - 1:
+            ckpt.wait()
+            _retention(journal, doomed(ckpt.steps(), policies(KEEP_LAST, KEEP_EVERY)),
+                       lambda: ckpt.prune(keep_last=KEEP_LAST, keep_every=KEEP_EVERY))
+        if step % TRUNCATE_EVERY == TRUNCATE_EVERY - 1:
+            ckpt.wait()  # branch: drop the two newest steps and write them again
+            after = step - 2
+            _retention(journal, [s for s in ckpt.steps() if s > after], lambda: ckpt.truncate(after=after))
+            step = after
+        step += 1
+    ckpt.close()
+
+
+def _retention(journal: str, victims: list[int], remove) -> None:
+    """Remove steps on purpose, saying so first in the journal (the parent excuses them)."""
+    with open(journal, "a") as f:
+        f.write(json.dumps({"remove": victims}) + "\n")
+    remove()
+    with open(journal, "a") as f:
+        f.write(json.dumps({"done": True}) + "\n")
+
+
+# --- the parent ---------------------------------------------------------------------------
+
+class Torture:
+    """Runs the children, kills them, and checks the run after every kill."""
+
+    def __init__(self, run_dir: str, backend: str, seed: int = 0):
+        self.run_dir, self.backend = run_dir, backend
+        self.rng = random.Random(seed)
+        work = os.path.dirname(os.path.abspath(run_dir))
+        self.shared_path = os.path.join(work, "torture.shared")
+        self.journal = os.path.join(work, "torture.journal")
+        self.reports = os.path.join(work, "torture.reports")
+        with open(self.shared_path, "wb") as f:
+            f.write(b"\0" * 64)
+        for path in (self.journal, self.reports):
+            open(path, "w").close()
+        with open(self.shared_path, "r+b") as f:
+            self.shared = mmap.mmap(f.fileno(), 64)
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["torch", "datastates_hist", "datastates_hist.verify",
+                                         "datastates_hist.backends.adios2_bp5",
+                                         "datastates_hist.backends.hdf5", __name__])
+        self.kills = collections.Counter()  # target phase -> kills
+        self.landed = collections.Counter()  # phase the child was really in at the kill
+        self.restores = self.verified = self.lost = self.children = 0
+        self.failures: list[str] = []
+        self.seen_reports = 0
+
+    def _start(self, max_writes: int | None = None):
+        self.shared[:] = b"\0" * 64
+        child = self.ctx.Process(target=child_main, args=(
+            self.run_dir, self.backend, self.shared_path, self.journal, self.reports,
+            self.children, max_writes))
+        child.start()
+        self.children += 1
+        return child
+
+    def _wait(self, condition, child, timeout: float = 60.0) -> bool:
+        """Poll ``condition`` (every 50 us) until it holds, the child exits, or time is up."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if condition():
+                return True
+            if not child.is_alive():
+                return False
+            time.sleep(0.00005)
+        return False
+
+    def _writes(self) -> int:
+        return struct.unpack_from("<i", self.shared, WRITES_AT)[0]
+
+    def _committed(self) -> list[int]:
+        from datastates_hist.errors import StoreNotFoundError
+        from datastates_hist.store import Store
+
+        try:
+            store = Store(self.run_dir)
+        except StoreNotFoundError:  # no child has created the run yet
+            return []
+        try:
+            return store.steps()
+        finally:
+            store.close()
+
+    def _journal(self) -> list[dict]:
+        with open(self.journal) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def _check_reports(self) -> None:
+        """Every child that finished opening the run says what it found."""
+        with open(self.reports) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        for report in lines[self.seen_reports:]:
+            steps = report["steps"]
+            if report["problems"]:
+                self.failures.append(f"pid {report['pid']}: verify found {report['problems'][:3]}")
+            if steps and (report["restored"] != steps[-1] or report["value"] != {"step": steps[-1]}):
+                self.failures.append(f"pid {report['pid']}: restored {report['restored']} "
+                                     f"{report['value']} but the newest step is {steps[-1]}")
+            if len(report["units"]) != len(steps):
+                self.failures.append(f"pid {report['pid']}: {len(report['units'])} units for "
+                                     f"{len(steps)} committed steps after opening")
+            self.restores += report["restored"] is not None
+            self.verified += report["tensors_verified"]
+        self.seen_reports = len(lines)
+
+    def kill_once(self, target: str) -> None:
+        child = self._start()
+        if target == "startup":
+            self._wait(lambda: self.shared[SLOT["startup"]], child)
+            before, excused_from = None, None
+        else:
+            warmup = self.rng.randint(1, 4)  # writes before the kill, so that the run grows
+            if not self._wait(lambda: not self.shared[SLOT["startup"]] and self._writes() >= warmup, child):
+                self.failures.append(f"child {child.pid} did not start writing (exit {child.exitcode})")
+            while not self._committed() and child.is_alive():  # the first child: until a step exists
+                time.sleep(0.01)
+            journal = self._journal()
+            pending = [j["remove"] for j in journal[-1:] if "remove" in j]  # a removal under way
+            before, excused_from = set(self._committed()), len(journal)
+            if target == "anywhere":
+                time.sleep(self.rng.uniform(0, 0.3))
+            else:
+                self._wait(lambda: self.shared[SLOT[target]], child, timeout=10)
+        if self.rng.random() < 0.5:  # sometimes a little later inside the phase
+            time.sleep(self.rng.uniform(0, 0.002))
+        inside = [p for p in PHASES if self.shared[SLOT[p]]]
+        child.kill()
+        child.join()
+        if child.exitcode != -9:
+            self.failures.append(f"child {child.pid} exited with {child.exitcode} before the kill")
+        self.kills[target] += 1
+        for phase in inside or ["between phases"]:
+            self.landed[phase] += 1
+        self._check_reports()
+        if before is not None:
+            after = set(self._committed())
+            excused = {s for j in self._journal()[excused_from:] if "remove" in j for s in j["remove"]}
+            excused |= {s for steps in pending for s in steps}
+            lost = sorted(before - after - excused)
+            self.lost += len(lost)
+            if lost:
+                self.failures.append(f"kill during {target}: committed steps {lost} were lost")
+
+    def finish(self, writes: int = 3) -> None:
+        """A last child that is not killed: it must restore, verify, write and close cleanly."""
+        from datastates_hist.verify import verify_run
+
+        child = self._start(max_writes=writes)
+        child.join(300)
+        if child.exitcode != 0:
+            self.failures.append(f"the last child exited with {child.exitcode}")
+        self._check_reports()
+        problems = verify_run(self.run_dir)
+        if problems:
+            self.failures.append(f"final verify: {[str(p) for p in problems[:3]]}")
+        self.final_steps = self._committed()
+
+    def run(self, kills: int) -> bool:
+        for k in range(kills):
+            self.kill_once(TARGETS[k % len(TARGETS)])
+        self.finish()
+        return not self.failures
+
+    def summary(self) -> str:
+        lines = [
+            f"torture: backend {self.backend}, run {self.run_dir}",
+            f"kills: {sum(self.kills.values())} (SIGKILL), targeted at: "
+            + ", ".join(f"{t} {self.kills[t]}" for t in TARGETS),
+            "  phases the child was in at the kill: "
+            + ", ".join(f"{p} {n}" for p, n in sorted(self.landed.items(), key=lambda x: -x[1])),
+            f"processes: {self.children}; restores of the newest step: {self.restores}; "
+            f"tensor checksums verified: {self.verified}",
+            f"committed steps at the end: {len(self.final_steps)} "
+            f"(newest {self.final_steps[-1] if self.final_steps else None})",
+            f"committed steps lost: {self.lost}",
+            f"failures: {len(self.failures)}",
+        ]
+        lines += [f"  FAIL {f}" for f in self.failures[:20]]
+        return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kills", type=int, default=100)
+    p.add_argument("--backend", choices=["adios2", "hdf5", "both"], default="both")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", help="where to put the run (default: a temporary folder, removed after)")
+    args = p.parse_args(argv)
+    ok = True
+    for backend in (["adios2", "hdf5"] if args.backend == "both" else [args.backend]):
+        work = tempfile.mkdtemp(prefix=f"torture-{backend}-", dir=args.dir)
+        t0 = time.monotonic()
+        torture = Torture(os.path.join(work, "run"), backend, seed=args.seed)
+        ok &= torture.run(args.kills)
+        print(torture.summary())
+        print(f"time: {time.monotonic() - t0:.0f} s\n", flush=True)
+        if not torture.failures:
+            shutil.rmtree(work)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
