@@ -63,14 +63,20 @@ class Digest:
         n = x.size
         if n == 0:
             return
-        # numpy's float32 sums are pairwise: accurate enough, and twice as fast as float64
-        mean_c = float(x.sum()) / n
-        dev = x - x.dtype.type(mean_c)
-        np.square(dev, out=dev)
-        m2_c = float(dev.sum())
-        lo, hi = float(x.min()), float(x.max())
+        # numpy's float32 sums are pairwise: accurate enough, and twice as fast as float64.
+        # Inf and NaN are data here, not mistakes: they are counted, not warned about.
+        with np.errstate(over="ignore", invalid="ignore"):
+            mean_c = float(x.sum()) / n
+            dev = x - x.dtype.type(mean_c)
+            np.square(dev, out=dev)
+            m2_c = float(dev.sum())
+            lo, hi = float(x.min()), float(x.max())
         if not (math.isfinite(mean_c) and math.isfinite(m2_c)):
-            self.nonfinite += n - int(np.count_nonzero(np.isfinite(x)))
+            bad = n - int(np.count_nonzero(np.isfinite(x)))
+            self.nonfinite += bad
+            if bad == 0 and x.dtype != np.float64:  # finite values whose float32 sums overflowed
+                self._add(x.astype(np.float64))
+                return
         total = self.n + n
         delta = mean_c - self.mean
         self.mean += delta * n / total
