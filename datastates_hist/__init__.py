@@ -6,7 +6,8 @@
     ckpt.restore(model=model, optimizer=optimizer, scheduler=scheduler)
 """
 
-from .checkpointer import Checkpointer, Restored
+from .checkpointer import Checkpointer
+from .restore import Restored
 from .history import History, open
 from .errors import (
     CheckpointError,

@@ -17,7 +17,6 @@ import sqlite3
 import sys
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,35 +28,19 @@ from .cache import HostCache
 from .commit import commit_step, remove_uncommitted
 from .dtypes import storage_dtype
 from .errors import (
-    CheckpointError, CorruptionError, RestoreMismatchError, StepOrderError, StoreLockedError,
+    CheckpointError, CorruptionError, StepOrderError, StoreLockedError,
 )
 from .flush import Flusher
 from .index import Index, index_path
 from .items import TensorItem, ValueItem
-from .providers import Context, Problems, StoredState, provider_for
+from .providers import Context, provider_for
+from .restore import Restored, restore_step
 from .snapshot import PendingCheckpoint, Snapshotter
-from .store import Store, steps_dir
+from .store import steps_dir
 from .torch_providers import RNG, parameter_names
 
 DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_PIECE_BYTES = 64 << 20
-
-
-@dataclass
-class Restored:
-    """What :meth:`Checkpointer.restore` loaded.
-
-    Attributes:
-        step: the restored step.
-        extra: every extra value of the step by keyword: the objects loaded in
-            place, and plain values, tensors and state dicts rebuilt.
-        problems: what did not match (only with ``strict=False``).
-    """
-
-    step: int
-    time: float
-    extra: dict[str, Any] = field(default_factory=dict)
-    problems: Problems = field(default_factory=Problems)
 
 
 class Checkpointer:
@@ -356,71 +339,6 @@ def _close_at_exit() -> None:
             ckpt.close()
         except Exception as exc:  # the program is ending: report, do not raise
             print(f"datastates-hist: {exc}", file=sys.stderr)
-
-
-def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
-                 strict: bool, rng: bool, extra: dict) -> Restored:
-    store = Store(run_dir)
-    try:
-        step = store.latest() if step is None else step
-        with store.open_step(step) as data:
-            items, objects = data.values["items"], data.values["objects"]
-            ctx = Context(param_names=parameter_names(model) if isinstance(model, nn.Module) else {})
-            targets: dict[str, Any] = {}
-            if model is not None:
-                targets["model"] = model
-            if optimizer is not None:
-                targets["optim"] = optimizer
-            if rng and "rng" in objects:
-                targets["rng"] = RNG()
-            for key, obj in extra.items():
-                targets[f"extra/{key}"] = obj
-
-            def state_of(prefix: str) -> StoredState:
-                records = {_rel(n, prefix): r for n, r in data.records.items() if _under(n, prefix)}
-                vals = {_rel(n, prefix): v for n, v in items.items() if _under(n, prefix)}
-                return StoredState(records, vals, lambda rel: data.read(f"{prefix}/{rel}" if rel else prefix))
-
-            problems = Problems()
-            for prefix, obj in targets.items():
-                if prefix not in objects:
-                    problems.missing.append(prefix)
-                else:
-                    problems.extend(provider_for(obj).check(obj, state_of(prefix), ctx), f"{prefix}/")
-            if strict and problems:
-                raise RestoreMismatchError(step, problems.missing, problems.unexpected, problems.mismatched)
-            restored = Restored(step=step, time=data.row.time, problems=problems)
-            for prefix, obj in targets.items():
-                if prefix in objects:
-                    result = provider_for(obj).load(obj, state_of(prefix), ctx)
-                    if prefix.startswith("extra/"):
-                        restored.extra[prefix[6:]] = result
-            for prefix, kind in objects.items():
-                key = prefix[6:]
-                if prefix.startswith("extra/") and key not in restored.extra:
-                    restored.extra[key] = _rebuild(state_of(prefix), kind)
-            return restored
-    finally:
-        store.close()
-
-
-def _rebuild(state: StoredState, kind: str) -> Any:
-    """An extra that was not passed to restore(): its value, tensors, or state dict."""
-    tensors = {n: state.tensor(n) for n in state.records}
-    if kind == "StateDictProvider":
-        return values_codec.decode(state.values[""]["state"], tensors)
-    if kind == "TreeProvider":
-        return values_codec.decode(state.values[""], tensors)
-    # written by a user-registered provider: its items, by relative name
-    return {**{n: values_codec.decode(v) for n, v in state.values.items()}, **tensors}
-
-
-def _under(name: str, prefix: str) -> bool:
-    return name == prefix or name.startswith(prefix + "/")
-
-
-def _rel(name: str, prefix: str) -> str:
-    return "" if name == prefix else name[len(prefix) + 1:]
 
 
 def _check_tensor(name: str, t: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ def committed(run_dir, steps=(0,), model=None):
 
 def test_missing_run_and_empty_run(tmp_path):
     with pytest.raises(dh.StoreNotFoundError, match="no run at"):
-        dh.checkpointer.Store(str(tmp_path / "nope"))
+        dh.store.Store(str(tmp_path / "nope"))
     with dh.Checkpointer(tmp_path / "empty") as ckpt:
         assert ckpt.steps() == []
         with pytest.raises(dh.StepNotFoundError, match="has no committed steps"):

@@ -103,7 +103,7 @@ try:
 except ImportError:
     pass
 import datastates_hist as dh
-from datastates_hist.checkpointer import restore_step
+from datastates_hist.restore import restore_step
 from datastates_hist.cli import main as cli
 from datastates_hist.repair import repair_run
 from datastates_hist.store import Store

@@ -1,0 +1,102 @@
+"""Restore: load a committed step into live objects, in place, in two phases.
+
+Phase one asks every target's State Provider what would not match
+(:meth:`StateProvider.check`); a strict restore raises one
+:class:`RestoreMismatchError` listing everything before anything is loaded.
+Phase two loads (:meth:`StateProvider.load`), verifying every tensor's checksum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from . import values as values_codec
+from .errors import RestoreMismatchError
+from .providers import Context, Problems, StoredState, provider_for
+from .store import Store
+from .torch_providers import RNG, parameter_names
+
+
+@dataclass
+class Restored:
+    """What :meth:`Checkpointer.restore` loaded.
+
+    Attributes:
+        step: the restored step.
+        extra: every extra value of the step by keyword: the objects loaded in
+            place, and plain values, tensors and state dicts rebuilt.
+        problems: what did not match (only with ``strict=False``).
+    """
+
+    step: int
+    time: float
+    extra: dict[str, Any] = field(default_factory=dict)
+    problems: Problems = field(default_factory=Problems)
+
+
+def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
+                 strict: bool, rng: bool, extra: dict) -> Restored:
+    store = Store(run_dir)
+    try:
+        step = store.latest() if step is None else step
+        with store.open_step(step) as data:
+            items, objects = data.values["items"], data.values["objects"]
+            ctx = Context(param_names=parameter_names(model) if isinstance(model, nn.Module) else {})
+            targets: dict[str, Any] = {}
+            if model is not None:
+                targets["model"] = model
+            if optimizer is not None:
+                targets["optim"] = optimizer
+            if rng and "rng" in objects:
+                targets["rng"] = RNG()
+            for key, obj in extra.items():
+                targets[f"extra/{key}"] = obj
+
+            def state_of(prefix: str) -> StoredState:
+                records = {_rel(n, prefix): r for n, r in data.records.items() if _under(n, prefix)}
+                vals = {_rel(n, prefix): v for n, v in items.items() if _under(n, prefix)}
+                return StoredState(records, vals, lambda rel: data.read(f"{prefix}/{rel}" if rel else prefix))
+
+            problems = Problems()
+            for prefix, obj in targets.items():
+                if prefix not in objects:
+                    problems.missing.append(prefix)
+                else:
+                    problems.extend(provider_for(obj).check(obj, state_of(prefix), ctx), f"{prefix}/")
+            if strict and problems:
+                raise RestoreMismatchError(step, problems.missing, problems.unexpected, problems.mismatched)
+            restored = Restored(step=step, time=data.row.time, problems=problems)
+            for prefix, obj in targets.items():
+                if prefix in objects:
+                    result = provider_for(obj).load(obj, state_of(prefix), ctx)
+                    if prefix.startswith("extra/"):
+                        restored.extra[prefix[6:]] = result
+            for prefix, kind in objects.items():
+                key = prefix[6:]
+                if prefix.startswith("extra/") and key not in restored.extra:
+                    restored.extra[key] = _rebuild(state_of(prefix), kind)
+            return restored
+    finally:
+        store.close()
+
+
+def _rebuild(state: StoredState, kind: str) -> Any:
+    """An extra that was not passed to restore(): its value, tensors, or state dict."""
+    tensors = {n: state.tensor(n) for n in state.records}
+    if kind == "StateDictProvider":
+        return values_codec.decode(state.values[""]["state"], tensors)
+    if kind == "TreeProvider":
+        return values_codec.decode(state.values[""], tensors)
+    # written by a user-registered provider: its items, by relative name
+    return {**{n: values_codec.decode(v) for n, v in state.values.items()}, **tensors}
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + "/")
+
+
+def _rel(name: str, prefix: str) -> str:
+    return "" if name == prefix else name[len(prefix) + 1:]
