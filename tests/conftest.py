@@ -19,3 +19,18 @@ def backend(request):
 @pytest.fixture
 def run_dir(tmp_path):
     return str(tmp_path / "run")
+
+
+@pytest.fixture(scope="module")
+def module_runs(tmp_path_factory, request):
+    """Runs built once per test module and backend by the module's ``build_run(run_dir, backend)``;
+    the tests only read them."""
+    runs = {}
+
+    def get(backend):
+        if backend not in runs:
+            name = request.module.__name__.rsplit(".", 1)[-1]
+            runs[backend] = str(tmp_path_factory.mktemp(f"{name}-{backend}") / "run")
+            request.module.build_run(runs[backend], backend)
+        return runs[backend]
+    return get

@@ -81,22 +81,9 @@ def numpy_diff(x, y):
             "frac_changed": changed}
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """One run per backend for the whole module: the tests only read it."""
-    runs = {}
-
-    def get(backend):
-        if backend not in runs:
-            runs[backend] = str(tmp_path_factory.mktemp(f"history-{backend}") / "run")
-            build_run(runs[backend], backend)
-        return runs[backend]
-    return get
-
-
 @pytest.fixture
-def built_dir(built, backend):
-    return built(backend)
+def built_dir(module_runs, backend):
+    return module_runs(backend)
 
 
 @pytest.fixture

@@ -36,22 +36,9 @@ def build_run(run_dir, backend):
                        grow=torch.arange(2.0 * (1 + step // 5)).reshape(-1, 2), **extra)
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """One run per backend for the whole module: the tests only read it."""
-    runs = {}
-
-    def get(backend):
-        if backend not in runs:
-            runs[backend] = str(tmp_path_factory.mktemp(f"xarray-{backend}") / "run")
-            build_run(runs[backend], backend)
-        return runs[backend]
-    return get
-
-
 @pytest.fixture
-def path(built, backend):
-    return built(backend)
+def path(module_runs, backend):
+    return module_runs(backend)
 
 
 @pytest.fixture

@@ -189,12 +189,18 @@ def med(rs, key):
     return statistics.median(r[key] for r in rs)
 
 
-def bench_e2e(args, targets, configs) -> list[dict]:
+def collect(section: str, configs, targets, args) -> dict:
+    """``(target, config) -> [result per repetition]``, configurations alternating."""
     results: dict = {}
     for target in targets:
         for _ in range(args.reps):
             for config in configs:
-                results.setdefault((target, config), []).append(run_child("e2e", config, target, args))
+                results.setdefault((target, config), []).append(run_child(section, config, target, args))
+    return results
+
+
+def bench_e2e(args, targets, configs) -> list[dict]:
+    results = collect("e2e", configs, targets, args)
     rows = []
     for target in targets:
         base = med(results[(target, "none")], "step_s") if "none" in configs else None
@@ -212,12 +218,8 @@ def bench_e2e(args, targets, configs) -> list[dict]:
 
 
 def bench_flush(args, targets, backends) -> list[dict]:
-    results: dict = {}
     configs = ["dd"] + [f"dh-{b}" for b in backends]
-    for target in targets:
-        for _ in range(args.reps):
-            for config in configs:
-                results.setdefault((target, config), []).append(run_child("flush", config, target, args))
+    results = collect("flush", configs, targets, args)
     rows = []
     for target in targets:
         dd = args.flush_mb / med(results[(target, "dd")], "seconds")
@@ -230,12 +232,8 @@ def bench_flush(args, targets, backends) -> list[dict]:
 
 
 def bench_restore(args, targets, backends) -> list[dict]:
-    results: dict = {}
     configs = ["torch.load", "dcp.load"] + [f"dh-{b}" for b in backends]
-    for target in targets:
-        for _ in range(args.reps):
-            for config in configs:
-                results.setdefault((target, config), []).append(run_child("restore", config, target, args))
+    results = collect("restore", configs, targets, args)
     rows = []
     for target in targets:
         tl, dl = med(results[(target, "torch.load")], "seconds"), med(results[(target, "dcp.load")], "seconds")
