@@ -53,23 +53,19 @@ class StepData:
 
     def read(self, name: str, verify: bool = True) -> torch.Tensor:
         """Tensor ``name`` in host memory, its checksum verified."""
-        rec = self.records.get(name)
-        if rec is None:
-            raise KeyError(f"step {self.row.step} has no tensor {name!r}")
-        dtype = torch_dtype(rec.dtype)
-        out = np.empty(rec.shape, dtype=storage_dtype(dtype))
+        shape = self._record(name).shape
         try:
-            self.reader.read(name, out, (0,) * len(rec.shape))
+            out = self._read(name, (0,) * len(shape), shape)
         except Exception as exc:
             raise CorruptionError(
                 f"tensor {name!r} of step {self.row.step} in {self.run_dir} cannot be read: {exc}"
             ) from exc
-        if verify and checksum_bytes(out.reshape(-1).view(np.uint8)) != rec.checksum:
+        if verify and checksum_bytes(out.reshape(-1).view(np.uint8)) != self.records[name].checksum:
             raise CorruptionError(
                 f"tensor {name!r} of step {self.row.step} in {self.run_dir} does not match its "
                 "checksum: the stored data is damaged"
             )
-        return torch.from_numpy(out).view(dtype)
+        return torch.from_numpy(out).view(torch_dtype(self.records[name].dtype))
 
     def read_box(self, name: str, start: tuple[int, ...], count: tuple[int, ...]) -> torch.Tensor:
         """The box ``start``/``count`` of tensor ``name``, read alone.
@@ -77,14 +73,21 @@ class StepData:
         A part of a tensor cannot be checked against the whole tensor's checksum:
         use :meth:`read` (or ``datastates-hist verify``) where that matters.
         """
+        out = self._read(name, tuple(start), count)
+        return torch.from_numpy(out).view(torch_dtype(self.records[name].dtype))
+
+    def _record(self, name: str) -> TensorRecord:
         rec = self.records.get(name)
         if rec is None:
             raise KeyError(f"step {self.row.step} has no tensor {name!r}")
-        dtype = torch_dtype(rec.dtype)
-        out = np.empty(count, dtype=storage_dtype(dtype))
+        return rec
+
+    def _read(self, name: str, start: tuple[int, ...], count) -> np.ndarray:
+        """The box's stored bytes, as an array of the storage dtype."""
+        out = np.empty(count, dtype=storage_dtype(torch_dtype(self._record(name).dtype)))
         if out.size:
-            self.reader.read(name, out, tuple(start))
-        return torch.from_numpy(out).view(dtype)
+            self.reader.read(name, out, start)
+        return out
 
     def close(self) -> None:
         self.reader.close()
