@@ -23,18 +23,20 @@ import torch
 from torch import nn
 
 from . import values as values_codec
-from .backends import get_backend
+from .backends import get_backend, make_backend
 from .cache import HostCache
-from .commit import commit_step, remove_uncommitted
+from .commit import commit_collective, commit_step, remove_uncommitted
 from .dtypes import storage_dtype
 from .errors import (
     CheckpointError, CorruptionError, StepOrderError, StoreLockedError,
 )
 from .flush import Flusher
+from .group import as_group
 from .index import Index, index_path
 from .items import TensorItem, ValueItem
 from .providers import Context, provider_for
 from .restore import Restored, restore_step
+from .sharding import dtensor_item, is_dtensor, split_replicated
 from .snapshot import PendingCheckpoint, Snapshotter
 from .store import steps_dir
 from .torch_providers import RNG, parameter_names
@@ -55,36 +57,40 @@ class Checkpointer:
         piece_bytes: tensors larger than this are streamed through the cache in pieces.
         refuse_nonfinite: fail (not commit) a step holding a NaN or infinite
             value; by default such values are stored and counted in the statistics.
+        comm: write one history from every rank of a job (the constructor,
+            ``write``, ``truncate``, ``prune`` and ``close`` are then collective):
+            an mpi4py communicator (ADIOS2 then writes each step as one BP5 file,
+            collectively), or ``"torch"`` / a ``torch.distributed`` process group
+            (each rank writes its own file of each step). See :mod:`sharding`
+            for which rank writes what.
+        backend_options: options of the backend, such as ADIOS2 engine
+            ``parameters={"NumAggregators": "2"}``.
     """
 
     def __init__(self, path: str | os.PathLike, *, backend: str | None = None,
                  model: Any = None, optimizer: Any = None,
                  host_cache_bytes: int = DEFAULT_CACHE_BYTES, piece_bytes: int = DEFAULT_PIECE_BYTES,
-                 refuse_nonfinite: bool = False):
+                 refuse_nonfinite: bool = False, comm: Any = None, backend_options: dict | None = None):
         self.path = os.fspath(path)
-        if os.path.exists(self.path) and not os.path.isdir(self.path):
-            raise NotADirectoryError(f"{self.path} is a file, not a run directory")
-        try:
-            os.makedirs(steps_dir(self.path), exist_ok=True)
-        except OSError as exc:
-            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-                raise
-            raise PermissionError(f"cannot create the run directory {self.path}: {exc.strerror}") from exc
-        if not os.access(self.path, os.W_OK):
-            raise PermissionError(f"the run directory {self.path} is not writable")
-        self._lock_fd = _take_lock(self.path)
+        self.group = as_group(comm)
+        self._lock_fd = None
         self.index = None
-        try:
-            _check_index_exists(self.path)
-            self.index = Index(self.path, create=True, backend=backend or "adios2")
-            self.backend_name = backend or self.index.meta("backend") or "adios2"
-            self.backend = get_backend(self.backend_name)
-            remove_uncommitted(steps_dir(self.path), self.index)
-        except BaseException:  # give the lock back: a failed open must not block the next one
-            if self.index is not None:
-                self.index.close()
-            os.close(self._lock_fd)
-            raise
+        # rank 0 opens the run; every rank learns whether that worked
+        failure = None
+        if self.group.root:
+            try:
+                self._open_run(backend)
+            except BaseException as exc:
+                failure = exc
+        verdict = self.group.bcast(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if verdict is not None:
+            raise CheckpointError(f"rank 0 could not open {self.path} for writing: {verdict}")
+        if not self.group.root:
+            self.index = Index(self.path)
+        self.backend_name = backend or self.index.meta("backend") or "adios2"
+        self.backend = make_backend(self.backend_name, backend_options)
         self.refuse_nonfinite = refuse_nonfinite
         self.model, self.optimizer = model, optimizer
         self.host_cache_bytes, self.piece_bytes = host_cache_bytes, piece_bytes
@@ -101,6 +107,30 @@ class Checkpointer:
         self.closed = False
         _OPEN.add(self)
 
+    def _open_run(self, backend: str | None) -> None:
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise NotADirectoryError(f"{self.path} is a file, not a run directory")
+        try:
+            os.makedirs(steps_dir(self.path), exist_ok=True)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            raise PermissionError(f"cannot create the run directory {self.path}: {exc.strerror}") from exc
+        if not os.access(self.path, os.W_OK):
+            raise PermissionError(f"the run directory {self.path} is not writable")
+        self._lock_fd = _take_lock(self.path)
+        try:
+            _check_index_exists(self.path)
+            self.index = Index(self.path, create=True, backend=backend or "adios2")
+            get_backend(backend or self.index.meta("backend") or "adios2")
+            remove_uncommitted(steps_dir(self.path), self.index)
+        except BaseException:  # give the lock back: a failed open must not block the next one
+            if self.index is not None:
+                self.index.close()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+            raise
+
     # --- writing ------------------------------------------------------------------------
 
     def write(self, step: int, model: Any = None, optimizer: Any = None, **extra: Any) -> None:
@@ -108,10 +138,28 @@ class Checkpointer:
 
         Extra keyword values may be objects with ``state_dict()``, tensors, numpy
         arrays, or plain JSON-like values. RNG states are captured too.
+
+        A failure of an earlier step is raised here. With several ranks, this
+        step is issued first (the ranks stay in step), then the failure raised.
         """
         t0 = time.perf_counter()
         self._check_open()
-        self._raise_failures()
+        if self.group.size == 1:
+            self._raise_failures()
+            self._issue(step, model, optimizer, extra)
+        else:
+            try:
+                self._issue(step, model, optimizer, extra)
+            except BaseException as exc:  # the other ranks' flushers wait for this rank's word on the step
+                self._submit_failed(step, exc)
+                raise
+            finally:
+                self.blocked_seconds += time.perf_counter() - t0
+            self._raise_failures()
+            return
+        self.blocked_seconds += time.perf_counter() - t0
+
+    def _issue(self, step: int, model: Any, optimizer: Any, extra: dict) -> None:
         model = model if model is not None else self.model
         optimizer = optimizer if optimizer is not None else self.optimizer
         if model is None:
@@ -134,12 +182,18 @@ class Checkpointer:
         self._pending.append(ckpt)
         self._snapshotter.submit(ckpt)
         self.writes += 1
-        self.blocked_seconds += time.perf_counter() - t0
+
+    def _submit_failed(self, step: int, exc: BaseException) -> None:
+        ckpt = PendingCheckpoint(step, [], {"items": {}, "objects": {}})
+        ckpt.fail(exc)
+        self._start_threads(ckpt)
+        self._pending.append(ckpt)
+        self._snapshotter.submit(ckpt)
 
     def _collect(self, step: int, model: Any, optimizer: Any, extra: dict) -> PendingCheckpoint:
         """Items of every object, checked before anything is queued."""
         ctx = Context(param_names=parameter_names(model) if isinstance(model, nn.Module) else {})
-        objects = {"model": model, "rng": RNG()}
+        objects = {"model": model, self._rng_prefix: RNG()}
         if optimizer is not None:
             objects["optim"] = optimizer
         for key, value in extra.items():
@@ -156,14 +210,43 @@ class Checkpointer:
                     if isinstance(item, ValueItem):
                         items_values[name] = item.value
                     else:
+                        item.name = name
+                        if is_dtensor(item.tensor):
+                            item = self._dtensor_block(item)
+                            if item is None:
+                                continue
                         _check_tensor(name, item.tensor)
                         _check_shard(name, item)
-                        item.name = name
                         tensors.append(item)
             except values_codec.UnsupportedValueError as exc:
                 raise TypeError(f"cannot checkpoint {prefix!r}: {exc}") from None
+        if self.group.size > 1:
+            tensors = self._my_part(tensors)
         tensors.sort(key=lambda t: not t.volatile)  # volatile first; stable otherwise
         return PendingCheckpoint(step, tensors, {"items": items_values, "objects": kinds})
+
+    @property
+    def _rng_prefix(self) -> str:
+        """RNG states differ between ranks: each rank keeps its own."""
+        return "rng" if self.group.size == 1 else f"rng/rank{self.group.rank}"
+
+    def _dtensor_block(self, item: TensorItem) -> TensorItem | None:
+        mesh_size = item.tensor.device_mesh.size()
+        if mesh_size > self.group.size:
+            raise ValueError(
+                f"tensor {item.name!r} is a DTensor over {mesh_size} ranks, but this Checkpointer has "
+                f"{self.group.size}: create it with comm=... on every rank"
+            )
+        return dtensor_item(item)
+
+    def _my_part(self, tensors: list[TensorItem]) -> list[TensorItem]:
+        """Blocks of shards stay; tensors every rank holds are split among the ranks;
+        this rank's own (RNG) tensors stay whole."""
+        own = [t for t in tensors if t.name.startswith(self._rng_prefix + "/")]
+        rest = [t for t in tensors if not t.name.startswith(self._rng_prefix + "/")]
+        shards = [t for t in rest if t.global_shape is not None]
+        replicated = [t for t in rest if t.global_shape is None]
+        return own + shards + split_replicated(replicated, self.group.rank, self.group.size)
 
     def _start_threads(self, ckpt: PendingCheckpoint) -> None:
         if self._snapshotter is not None:
@@ -174,12 +257,21 @@ class Checkpointer:
         self._snapshotter = Snapshotter(self.cache, self._flusher.inbox, self.piece_bytes)
 
     def _open_writer(self, step: int):
-        return self.backend.begin_step(steps_dir(self.path), step)
+        if self.group.size == 1:
+            return self.backend.begin_step(steps_dir(self.path), step)
+        return self.backend.begin_step(steps_dir(self.path), step, group=self.group)
 
     def _commit(self, ckpt: PendingCheckpoint, writer, records) -> None:
-        if self._flush_index is None:  # SQLite connections belong to one thread
+        if self._flush_index is None and self.group.root:  # SQLite connections belong to one thread
             self._flush_index = Index(self.path, create=True)
-        commit_step(self._flush_index, self.backend_name, ckpt.step, writer, records, ckpt.values)
+        if self.group.size == 1:
+            if ckpt.error is None:
+                commit_step(self._flush_index, self.backend_name, ckpt.step, writer, records, ckpt.values)
+            return
+        prefix = self._rng_prefix
+        own = {key: {k: v for k, v in ckpt.values.get(key, {}).items() if k == prefix or k.startswith(prefix + "/")}
+               for key in ("items", "objects")}
+        commit_collective(self.group, self._flush_index, self.backend_name, ckpt, writer, records, own)
 
     # --- waiting ------------------------------------------------------------------------
 
@@ -252,7 +344,8 @@ class Checkpointer:
             if self._flush_index is not None:
                 self._flush_index.close()
             self.index.close()
-            os.close(self._lock_fd)
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -273,7 +366,8 @@ class Checkpointer:
         if not isinstance(after, int) or isinstance(after, bool):
             raise TypeError(f"truncate(after=...) needs a step number (int), got {after!r}")
         self.wait()
-        removed = remove_steps(self.path, self.index, [s for s in self.index.steps() if s > after])
+        removed = self._on_root(
+            lambda: remove_steps(self.path, self.index, [s for s in self.index.steps() if s > after]))
         self._last_step = self.index.latest()
         return removed
 
@@ -282,8 +376,24 @@ class Checkpointer:
         """Delete committed steps that no rule keeps (see :mod:`retention`); returns them."""
         from .retention import policies, prune_index
 
+        rules = policies(keep_last, keep_every)
         self.wait()
-        return prune_index(self.path, self.index, policies(keep_last, keep_every), dry_run)
+        return self._on_root(lambda: prune_index(self.path, self.index, rules, dry_run))
+
+    def _on_root(self, change):
+        """Run ``change`` (of the run's files and index) on rank 0; its result on every rank."""
+        outcome = {"error": None, "result": None}
+        if self.group.root:
+            try:
+                outcome["result"] = change()
+            except Exception as exc:
+                if self.group.size == 1:
+                    raise
+                outcome["error"] = f"{type(exc).__name__}: {exc}"
+        outcome = self.group.bcast(outcome)
+        if outcome["error"] is not None:
+            raise CheckpointError(f"rank 0 failed to change {self.path}: {outcome['error']}")
+        return outcome["result"]
 
     def restore(self, step: int | None = None, model: Any = None, optimizer: Any = None, *,
                 strict: bool = True, rng: bool = True, **extra: Any) -> Restored:
@@ -301,7 +411,8 @@ class Checkpointer:
         self.wait()
         model = model if model is not None else self.model
         optimizer = optimizer if optimizer is not None else self.optimizer
-        return restore_step(self.path, step, model, optimizer, strict=strict, rng=rng, extra=extra)
+        return restore_step(self.path, step, model, optimizer, strict=strict, rng=rng, extra=extra,
+                            rank=self.group.rank, world_size=self.group.size)
 
 
 _OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()

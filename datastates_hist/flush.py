@@ -36,7 +36,9 @@ class _Step:
 
 class Flusher:
     """The flusher thread; ``open_writer(step)`` and ``commit(ckpt, writer, records)``
-    are given by the Checkpointer, so that this module knows no backend or index."""
+    are given by the Checkpointer, so that this module knows no backend or index.
+    ``commit`` is called for failed checkpoints too (it must not commit them):
+    with several ranks, they agree on every step's outcome."""
 
     def __init__(self, cache: HostCache, open_writer: Callable, commit: Callable,
                  refuse_nonfinite: bool = False):
@@ -104,7 +106,8 @@ class Flusher:
         sdtype = storage_dtype(t.dtype)
         if piece.index not in step.digests:
             step.digests[piece.index] = Digest()
-            step.writer.define(item.name, sdtype, tuple(t.shape), dtype_name(t.dtype))
+            block = {} if item.global_shape is None else {"block": (item.global_shape, item.offset)}
+            step.writer.define(item.name, sdtype, tuple(t.shape), dtype_name(t.dtype), **block)
         digest = step.digests[piece.index]
         if piece.region is not None:
             if piece.copied is not None:
@@ -130,8 +133,7 @@ class Flusher:
     def _finish(self, step: _Step) -> None:
         ckpt = step.ckpt
         try:
-            if ckpt.error is None:
-                self.commit(ckpt, step.writer, step.records)
+            self.commit(ckpt, step.writer, step.records)  # also on failure: ranks decide together
         except BaseException as exc:
             ckpt.fail(exc)
         finally:

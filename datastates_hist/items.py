@@ -55,6 +55,9 @@ class TensorRecord:
     stats: dict[str, float] = field(default_factory=dict)
     global_shape: tuple[int, ...] | None = None  # set when the tensor is a shard
     offset: tuple[int, ...] | None = None
+    # a tensor written by several ranks: where each part lies, as
+    # {"start", "count", "checksum", "part"} (part: the rank whose file holds it, or None)
+    blocks: list[dict] | None = None
 
     def to_json(self) -> dict:
         doc = {
@@ -64,6 +67,8 @@ class TensorRecord:
         }
         if self.global_shape is not None:
             doc["global_shape"], doc["offset"] = list(self.global_shape), list(self.offset)
+        if self.blocks is not None:
+            doc["blocks"] = self.blocks
         return doc
 
     @classmethod
@@ -74,4 +79,5 @@ class TensorRecord:
             encoding=data.get("encoding", "raw"), stats=dict(data.get("stats", {})),
             global_shape=tuple(data["global_shape"]) if "global_shape" in data else None,
             offset=tuple(data["offset"]) if "offset" in data else None,
+            blocks=list(data["blocks"]) if "blocks" in data else None,
         )

@@ -63,12 +63,35 @@ class StoredState:
     """
 
     def __init__(self, records: dict[str, TensorRecord], values_: dict[str, Any],
-                 read: Callable[[str], torch.Tensor]):
-        self.records, self.values, self._read = records, values_, read
+                 read: Callable[[str], torch.Tensor], read_box: Callable | None = None):
+        self.records, self.values, self._read, self._read_box = records, values_, read, read_box
 
     def tensor(self, name: str) -> torch.Tensor:
         """Read tensor ``name`` (checksum verified) into host memory."""
         return self._read(name)
+
+    def box(self, name: str, start: tuple[int, ...], count: tuple[int, ...]) -> torch.Tensor:
+        """The box ``start``/``count`` of tensor ``name`` (its blocks' checksums verified);
+        a provider of shards reads its own block this way."""
+        if self._read_box is None:
+            index = tuple(slice(s, s + c) for s, c in zip(start, count))
+            return self.tensor(name)[index].clone()
+        return self._read_box(name, start, count)
+
+    def tensor_like(self, name: str, live: Any) -> torch.Tensor:
+        """Tensor ``name`` in the form of ``live``: for a DTensor of the same global
+        shape, only this rank's shard is read (a DTensor with ``live``'s placements)."""
+        from .sharding import is_dtensor, local_box
+
+        rec = self.records[name]
+        if not is_dtensor(live) or rec.shape != tuple(live.shape) or self._read_box is None:
+            return self.tensor(name)
+        from torch.distributed.tensor import DTensor
+
+        offset, shape = local_box(live)
+        local = self.box(name, offset, shape).to(live.device)
+        return DTensor.from_local(local, live.device_mesh, live.placements, run_check=False,
+                                  shape=live.shape, stride=live.stride())
 
 
 class StateProvider(ABC):

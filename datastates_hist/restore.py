@@ -35,10 +35,11 @@ class Restored:
     time: float
     extra: dict[str, Any] = field(default_factory=dict)
     problems: Problems = field(default_factory=Problems)
+    rng: bool = False  # whether RNG states were restored (not across a change of the number of ranks)
 
 
 def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
-                 strict: bool, rng: bool, extra: dict) -> Restored:
+                 strict: bool, rng: bool, extra: dict, rank: int = 0, world_size: int = 1) -> Restored:
     store = Store(run_dir)
     try:
         step = store.latest() if step is None else step
@@ -50,15 +51,18 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
                 targets["model"] = model
             if optimizer is not None:
                 targets["optim"] = optimizer
-            if rng and "rng" in objects:
-                targets["rng"] = RNG()
+            rng_prefix = _rng_prefix(data.world_size, rank, world_size)
+            if rng and rng_prefix in objects:
+                targets[rng_prefix] = RNG()
             for key, obj in extra.items():
                 targets[f"extra/{key}"] = obj
 
             def state_of(prefix: str) -> StoredState:
                 records = {_rel(n, prefix): r for n, r in data.records.items() if _under(n, prefix)}
                 vals = {_rel(n, prefix): v for n, v in items.items() if _under(n, prefix)}
-                return StoredState(records, vals, lambda rel: data.read(f"{prefix}/{rel}" if rel else prefix))
+                full = lambda rel: f"{prefix}/{rel}" if rel else prefix  # noqa: E731
+                return StoredState(records, vals, lambda rel: data.read(full(rel)),
+                                   lambda rel, start, count: data.read_box(full(rel), start, count, verify=True))
 
             problems = Problems()
             for prefix, obj in targets.items():
@@ -68,7 +72,7 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
                     problems.extend(provider_for(obj).check(obj, state_of(prefix), ctx), f"{prefix}/")
             if strict and problems:
                 raise RestoreMismatchError(step, problems.missing, problems.unexpected, problems.mismatched)
-            restored = Restored(step=step, time=data.row.time, problems=problems)
+            restored = Restored(step=step, time=data.row.time, problems=problems, rng=rng_prefix in targets)
             for prefix, obj in targets.items():
                 if prefix in objects:
                     result = provider_for(obj).load(obj, state_of(prefix), ctx)
@@ -92,6 +96,14 @@ def _rebuild(state: StoredState, kind: str) -> Any:
         return values_codec.decode(state.values[""], tensors)
     # written by a user-registered provider: its items, by relative name
     return {**{n: values_codec.decode(v) for n, v in state.values.items()}, **tensors}
+
+
+def _rng_prefix(written_by: int, rank: int, world_size: int) -> str | None:
+    """Where this rank's RNG states are stored; None when the ranks changed (they
+    cannot be carried over to a different number of ranks)."""
+    if written_by != world_size:
+        return None
+    return "rng" if world_size == 1 else f"rng/rank{rank}"
 
 
 def _under(name: str, prefix: str) -> bool:

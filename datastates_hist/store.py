@@ -50,31 +50,34 @@ class StepData:
         doc = json.loads(raw)
         self.records = {r["name"]: TensorRecord.from_json(r) for r in doc["tensors"]}
         self.values: dict[str, Any] = doc["values"]
+        self.world_size = int(doc.get("world_size", 1))  # ranks that wrote the step
 
     def read(self, name: str, verify: bool = True) -> torch.Tensor:
         """Tensor ``name`` in host memory, its checksum verified."""
-        shape = self._record(name).shape
+        rec = self._record(name)
+        return self._tensor(rec, (0,) * len(rec.shape), rec.shape, verify)
+
+    def read_box(self, name: str, start: tuple[int, ...], count: tuple[int, ...],
+                 verify: bool = False) -> torch.Tensor:
+        """The box ``start``/``count`` of tensor ``name``.
+
+        Checksums cover whole blocks (the whole tensor, or each rank's part of
+        it). With ``verify``, the blocks the box cuts are read whole and checked;
+        without, only the box is read.
+        """
+        return self._tensor(self._record(name), tuple(int(s) for s in start), tuple(int(c) for c in count), verify)
+
+    def _tensor(self, rec: TensorRecord, start: tuple[int, ...], count: tuple[int, ...], verify: bool) -> torch.Tensor:
+        name = rec.name
         try:
-            out = self._read(name, (0,) * len(shape), shape)
+            out = self._read(rec, start, count, verify)
+        except CorruptionError:
+            raise
         except Exception as exc:
             raise CorruptionError(
                 f"tensor {name!r} of step {self.row.step} in {self.run_dir} cannot be read: {exc}"
             ) from exc
-        if verify and checksum_bytes(out.reshape(-1).view(np.uint8)) != self.records[name].checksum:
-            raise CorruptionError(
-                f"tensor {name!r} of step {self.row.step} in {self.run_dir} does not match its "
-                "checksum: the stored data is damaged"
-            )
-        return torch.from_numpy(out).view(torch_dtype(self.records[name].dtype))
-
-    def read_box(self, name: str, start: tuple[int, ...], count: tuple[int, ...]) -> torch.Tensor:
-        """The box ``start``/``count`` of tensor ``name``, read alone.
-
-        A part of a tensor cannot be checked against the whole tensor's checksum:
-        use :meth:`read` (or ``datastates-hist verify``) where that matters.
-        """
-        out = self._read(name, tuple(start), count)
-        return torch.from_numpy(out).view(torch_dtype(self.records[name].dtype))
+        return torch.from_numpy(out).view(torch_dtype(rec.dtype))
 
     def _record(self, name: str) -> TensorRecord:
         rec = self.records.get(name)
@@ -82,11 +85,51 @@ class StepData:
             raise KeyError(f"step {self.row.step} has no tensor {name!r}")
         return rec
 
-    def _read(self, name: str, start: tuple[int, ...], count) -> np.ndarray:
-        """The box's stored bytes, as an array of the storage dtype."""
-        out = np.empty(count, dtype=storage_dtype(torch_dtype(self._record(name).dtype)))
-        if out.size:
-            self.reader.read(name, out, start)
+    def _blocks(self, rec: TensorRecord) -> list[dict]:
+        if rec.blocks is None:
+            return [{"start": [0] * len(rec.shape), "count": list(rec.shape), "checksum": rec.checksum, "part": None}]
+        for b in rec.blocks:  # a manifest from elsewhere is data to check, not to trust
+            ok = (isinstance(b, dict) and len(b.get("start", ())) == len(rec.shape) == len(b.get("count", ()))
+                  and all(isinstance(v, int) and v >= 0 for v in (*b["start"], *b["count"]))
+                  and all(s + c <= n for s, c, n in zip(b["start"], b["count"], rec.shape)))
+            if not ok:
+                raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} "
+                                      f"has a malformed block in its manifest: {b!r}")
+        return rec.blocks
+
+    def _read(self, rec: TensorRecord, start: tuple[int, ...], count: tuple[int, ...], verify: bool) -> np.ndarray:
+        """The box's stored bytes, as an array of the storage dtype, assembled from its blocks."""
+        sdtype = storage_dtype(torch_dtype(rec.dtype))
+        out = np.empty(count, dtype=sdtype)
+        if not out.size:
+            return out
+        end = tuple(s + c for s, c in zip(start, count))
+        for b in self._blocks(rec):
+            bstart, bend = tuple(b["start"]), tuple(s + c for s, c in zip(b["start"], b["count"]))
+            lo = tuple(max(x, y) for x, y in zip(start, bstart))
+            hi = tuple(min(x, y) for x, y in zip(end, bend))
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            check = verify and b["checksum"]
+            if lo == bstart and hi == bend and (bstart, bend) == (start, end):
+                data = out  # the box is this block: read in place
+            else:
+                data = np.empty(tuple(h - l for l, h in zip(bstart, bend)) if check else
+                                tuple(h - l for l, h in zip(lo, hi)), dtype=sdtype)
+            first = bstart if data.shape == tuple(b["count"]) else lo
+            # blocks in a rank's own file are stored alone; in a shared file, in place
+            where = tuple(f - s for f, s in zip(first, bstart)) if b.get("part") is not None else first
+            self.reader.read(rec.name, data, where, part=b.get("part"))
+            if check and checksum_bytes(data.reshape(-1).view(np.uint8)) != b["checksum"]:
+                part = "" if rec.blocks is None else f" (its block at {list(bstart)})"
+                raise CorruptionError(
+                    f"tensor {rec.name!r}{part} of step {self.row.step} in {self.run_dir} does not match "
+                    "its checksum: the stored data is damaged"
+                )
+            if data is not out:
+                src = tuple(slice(l - f, h - f) for l, h, f in zip(lo, hi, first))
+                dst = tuple(slice(l - s, h - s) for l, h, s in zip(lo, hi, start))
+                out[dst] = data[src]
         return out
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ from torch import nn
 from . import values
 from .items import TensorItem, ValueItem
 from .providers import Context, Problems, StateProvider, matching, register_provider
+from .sharding import is_dtensor
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -62,7 +63,10 @@ class ModuleProvider(StateProvider):
             for name in matching(live, state):
                 if live[name].is_meta:
                     continue
-                live[name].copy_(state.tensor(name))
+                if is_dtensor(live[name]):  # read only this rank's shard
+                    live[name].to_local().copy_(state.tensor_like(name, live[name]).to_local())
+                else:
+                    live[name].copy_(state.tensor(name))
         return module
 
 
@@ -127,6 +131,8 @@ class OptimizerProvider(StateProvider):
         scalars = state.values.get("state", {})
         problems = self.check(opt, state, ctx)
         bad = {n for n, _, _ in problems.mismatched}
+        params = {n: p for g, names in zip(opt.param_groups, self._names(opt, ctx))
+                  for p, n in zip(g["params"], names)}
         sd_groups, sd_state, k = [], {}, 0
         for group, names in zip(opt.param_groups, self._names(opt, ctx)):
             options = {key: v for key, v in group.items() if key != "params"}
@@ -138,7 +144,7 @@ class OptimizerProvider(StateProvider):
                 entry = {key: values.decode(v) for key, v in scalars.get(name, {}).items()}
                 for rname in state.records:
                     if rname.split("/")[1] == name and rname not in bad:
-                        entry[rname.split("/", 2)[2]] = state.tensor(rname)
+                        entry[rname.split("/", 2)[2]] = state.tensor_like(rname, params.get(name))
                 if entry:
                     sd_state[k] = entry
                 ids.append(k)

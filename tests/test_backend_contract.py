@@ -175,6 +175,12 @@ class FailingBackend(Backend):
     def open_step(self, steps_dir, location):
         return self.inner.open_step(steps_dir, location)
 
+    def writer_at(self, final, step):
+        return self.inner.writer_at(final, step)
+
+    def reader_at(self, path):
+        return self.inner.reader_at(path)
+
 
 @pytest.mark.parametrize("where", ["begin", "define", "put", "write_out", "finish"])
 def test_a_failed_step_is_not_committed_and_reported(run_dir, backend, where, monkeypatch):

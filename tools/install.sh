@@ -2,6 +2,9 @@
 # Installs everything datastates-hist and its tests need, on a fresh Debian machine
 # or an existing environment. A torch that is already installed is kept (GPU users
 # bring their own); otherwise the CPU build torch==2.13.0 is installed.
+#   --mpi   also MPICH, and mpi4py and ADIOS2 built with MPI (tools/install_mpi.sh),
+#           for multi-rank checkpointing and its tests (minutes the first time,
+#           seconds once the built wheels are cached)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,4 +20,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q -e ".[test]"
+if [ "${1:-}" = "--mpi" ]; then
+    bash tools/install_mpi.sh
+fi
 "$PY" -c "import datastates_hist, torch, adios2, h5py; print('datastates-hist', datastates_hist.__version__, '| torch', torch.__version__, '| adios2', adios2.__version__, '| h5py', h5py.__version__)"

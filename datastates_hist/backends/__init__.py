@@ -40,4 +40,16 @@ def get_backend(name: str) -> Backend:
     return backend
 
 
-__all__ = ["Backend", "StepReader", "StepWriter", "backend_names", "get_backend", "register_backend"]
+def make_backend(name: str, options: dict | None = None) -> Backend:
+    """The backend ``name``; a new instance with ``options`` (such as ADIOS2
+    ``parameters``) when they are given."""
+    backend = get_backend(name)
+    if not options:
+        return backend
+    try:
+        return type(backend)(**options)
+    except TypeError as exc:
+        raise TypeError(f"backend {name!r} does not take the options {sorted(options)}: {exc}") from None
+
+
+__all__ = ["Backend", "StepReader", "StepWriter", "backend_names", "get_backend", "make_backend", "register_backend"]

@@ -48,6 +48,7 @@ class Adios2Error(RuntimeError):
 
 
 _lib = None
+_mpi_init = None
 _lib_lock = threading.Lock()
 
 
@@ -105,6 +106,28 @@ def library() -> ctypes.CDLL:
         return _lib
 
 
+def mpi_init():
+    """``adios2_init_mpi`` from ``libadios2_c_mpi.so`` (an ADIOS2 built with MPI), or ImportError."""
+    global _mpi_init
+    lib = library()
+    with _lib_lock:
+        if _mpi_init is None:
+            from mpi4py import MPI
+
+            path = os.path.join(os.path.dirname(lib._name), "libadios2_c_mpi.so")
+            if not os.path.exists(path):
+                raise ImportError(
+                    "the installed adios2 was built without MPI (no libadios2_c_mpi.so): "
+                    "run tools/install_mpi.sh, or write one file per rank with comm='torch'"
+                )
+            mpi = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL, use_errno=True)
+            # MPI_Comm is an int in MPICH and a pointer in Open MPI
+            mpi.adios2_init_mpi.argtypes = [c_int if MPI._sizeof(MPI.Comm) == 4 else c_void_p]
+            mpi.adios2_init_mpi.restype = c_void_p
+            _mpi_init = mpi.adios2_init_mpi
+        return _mpi_init
+
+
 def _sizes(values) -> ctypes.Array:
     return (c_size_t * max(len(values), 1))(*values)
 
@@ -114,11 +137,17 @@ class Adios:
 
     _counter = 0
 
-    def __init__(self) -> None:
+    def __init__(self, comm=None) -> None:
+        """``comm``: an mpi4py communicator for collective files (collective call), or None."""
         self.lib = library()
-        self.handle = self.lib.adios2_init_serial()
+        if comm is None:
+            self.handle = self.lib.adios2_init_serial()
+        else:
+            from mpi4py import MPI
+
+            self.handle = mpi_init()(MPI._handleof(comm))
         if not self.handle:
-            raise Adios2Error("adios2_init_serial failed")
+            raise Adios2Error("adios2_init failed")
 
     def check(self, rc: int, what: str, path: str) -> None:
         if rc != 0:
@@ -191,6 +220,10 @@ class FileWriter:
         self.adios.check(rc, f"set_selection of {name}", self.path)
         rc = self.lib.adios2_put(self.engine, var, c_void_p(pointer), MODE_DEFERRED)
         self.adios.check(rc, f"put of {name}", self.path)
+
+    def perform_puts(self) -> None:
+        """Copy every block put so far into ADIOS2's buffers; their memory may then be reused."""
+        self.adios.check(self.lib.adios2_perform_puts(self.engine), "perform_puts", self.path)
 
     def write_out(self) -> None:
         """Write every block put so far to the file; their memory may then be reused."""

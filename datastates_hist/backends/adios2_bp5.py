@@ -17,7 +17,7 @@ import numpy as np
 from ..digest import checksum_bytes
 from ..errors import CorruptionError
 from . import _adios2_capi as capi
-from .base import Backend, StagedStepWriter, StepReader
+from .base import Backend, StagedStepWriter, StepReader, fsync_tree, remove_tree, step_stem
 
 MANIFEST = "__manifest__"
 SUFFIX = ".bp"
@@ -32,13 +32,17 @@ def _file_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class Adios2StepWriter(StagedStepWriter):
-    def __init__(self, steps_dir: str, step: int, parameters: dict[str, str]):
-        super().__init__(steps_dir, step, SUFFIX)
-        self.adios = capi.Adios()
+    """One BP5 file of one step, written by this process alone."""
+
+    def __init__(self, final: str, parameters: dict[str, str], comm=None):
+        root = comm is None or comm.Get_rank() == 0
+        super().__init__(final, clean=root)
+        self.root = root
+        self.adios = capi.Adios(comm)
         self.file = capi.FileWriter(self.adios, self.tmp, parameters)
         self.shapes: dict[str, tuple[int, ...]] = {}
 
-    def define(self, name, dtype, shape, real_dtype):
+    def define(self, name, dtype, shape, real_dtype, block=None):
         self.shapes[name] = _file_shape(shape)
         if 0 not in shape:
             self.file.define(name, np.dtype(dtype), self.shapes[name])
@@ -53,18 +57,69 @@ class Adios2StepWriter(StagedStepWriter):
     def write_out(self):
         self.file.write_out()
 
-    def finish(self, manifest: bytes) -> str:
+    def write_manifest(self, manifest: bytes) -> None:
         raw = np.frombuffer(manifest, dtype=np.uint8)
         self.file.define(MANIFEST, raw.dtype, raw.shape)
         self.file.put(MANIFEST, raw.ctypes.data, (0,), raw.shape)
-        return self.publish()
 
     def close_files(self):
         try:
             self.file.close()
         finally:
             self.adios.close()
-        write_checksums(self.tmp)
+        if self.root:
+            write_checksums(self.tmp)
+
+
+class Adios2CollectiveWriter(Adios2StepWriter):
+    """One BP5 file of one step, written by every rank of an MPI communicator.
+
+    Each tensor is a global array; each rank puts its blocks at their offsets,
+    and ADIOS2 aggregates them into a few subfiles (``NumAggregators``,
+    ``AggregationType``) with one metadata index. Opening, ending the step and
+    closing are collective.
+    """
+
+    def __init__(self, final: str, parameters: dict[str, str], comm):
+        super().__init__(final, parameters, comm)
+        self.offsets: dict[str, tuple[int, ...]] = {}
+
+    def define(self, name, dtype, shape, real_dtype, block=None):
+        if block is None:
+            return super().define(name, dtype, shape, real_dtype)
+        global_shape, offset = block
+        self.offsets[name] = tuple(offset)
+        super().define(name, dtype, tuple(global_shape), real_dtype)
+
+    def put(self, name, array, start):
+        offset = self.offsets.get(name)
+        if offset is not None:
+            start = tuple(o + s for o, s in zip(offset, start))
+        super().put(name, array, start)
+
+    def write_out(self):
+        # BP5's PerformDataWrite is collective and ranks ask for space at different
+        # times: hand the blocks to ADIOS2's own buffers instead (a local copy).
+        self.file.perform_puts()
+
+    def seal(self, manifest):
+        if manifest is not None:
+            self.write_manifest(manifest)
+        self.close_files()  # collective
+        if self.root:
+            fsync_tree(self.tmp)
+
+    def publish(self):
+        return super().publish()
+
+    def abort(self):
+        try:
+            self.close_files()  # collective: every rank aborts together
+        except Exception:
+            pass
+
+    def remove(self):
+        remove_tree(self.tmp)
 
 
 class Adios2StepReader(StepReader):
@@ -82,7 +137,7 @@ class Adios2StepReader(StepReader):
         self.file.get(MANIFEST, out.ctypes.data, (0,), (n,))
         return out.tobytes()
 
-    def read(self, name, out, start):
+    def read(self, name, out, start, part=None):
         if out.size == 0:
             return
         assert out.flags.c_contiguous and out.flags.writeable
@@ -93,20 +148,39 @@ class Adios2StepReader(StepReader):
         self.adios.close()
 
 
+def collective_defaults(group) -> dict[str, str]:
+    """Aggregation of collective writes, measured (docs/performance.md): each
+    aggregator writes its own subfile directly (``EveryoneWrites``), up to 4
+    per node; ADIOS2's default (one aggregator per node, gathering the others'
+    data through shared memory) was 2 to 3 times slower on 2 and 4 ranks."""
+    per_node = min(getattr(group, "ranks_per_node", group.size), 4)
+    return {"AggregationType": "EveryoneWrites",
+            "NumAggregators": str(max(1, getattr(group, "nodes", 1) * per_node))}
+
+
 class Adios2Backend(Backend):
     """BP5 files through ``libadios2_c`` (GIL released during I/O)."""
 
     name = "adios2"
+    suffix = SUFFIX
 
     def __init__(self, parameters: dict[str, str] | None = None):
+        """``parameters``: BP5 engine parameters over the defaults, such as
+        ``NumAggregators`` or ``AggregationType`` for collective writes."""
         capi.library()  # fail early, with a clear message, when adios2 is missing
         self.parameters = {**WRITE_PARAMETERS, **(parameters or {})}
 
-    def begin_step(self, steps_dir, step):
-        return Adios2StepWriter(steps_dir, step, self.parameters)
+    def writer_at(self, final, step):
+        return Adios2StepWriter(final, self.parameters)
 
-    def open_step(self, steps_dir, location):
-        return Adios2StepReader(os.path.join(steps_dir, location))
+    def reader_at(self, path):
+        return Adios2StepReader(path)
+
+    def begin_step(self, steps_dir, step, group=None):
+        if group is not None and group.size > 1 and group.mpi_comm is not None:
+            final = os.path.join(steps_dir, step_stem(step) + SUFFIX)
+            return Adios2CollectiveWriter(final, {**collective_defaults(group), **self.parameters}, group.mpi_comm)
+        return super().begin_step(steps_dir, step, group)
 
 
 # ADIOS2 does not check its metadata, and reading damaged or truncated BP5

@@ -15,9 +15,18 @@ A backend stores each step as one unit (a file or a folder) inside the run's
    Only then does the index commit the step.
    ``writer.abort()`` instead removes whatever was written.
 
+When several ranks write one step (``begin_step(steps_dir, step, group)``),
+``finish`` is split: every rank calls ``writer.seal(manifest or None)`` (only
+rank 0 passes the manifest; each rank makes its own bytes durable), then rank 0
+alone calls ``writer.publish()`` once every rank has sealed. ``define`` then
+gets ``block=(global_shape, offset)`` for a tensor that is a block of a larger
+one. By default each rank writes its own file inside the step's folder
+(:mod:`.ranks`); a backend may instead write one shared file collectively.
+
 Reading: ``reader = backend.open_step(steps_dir, location)``, then
-``reader.manifest()`` and ``reader.read(name, out, start)`` (fills the
-contiguous array ``out`` with the box at ``start`` of shape ``out.shape``),
+``reader.manifest()`` and ``reader.read(name, out, start, part)`` (fills the
+contiguous array ``out`` with the box at ``start`` of shape ``out.shape``, in
+the file of rank ``part``, or in the one shared file when ``part`` is None),
 and ``reader.close()``. ``backend.remove_step(steps_dir, location)`` deletes a
 step's unit (retention). A backend never touches the index.
 """
@@ -32,8 +41,14 @@ import numpy as np
 
 class StepWriter(ABC):
     @abstractmethod
-    def define(self, name: str, dtype: np.dtype, shape: tuple[int, ...], real_dtype: str) -> None:
-        """Declare tensor ``name``: stored as ``dtype`` (numpy), really ``real_dtype`` (torch name)."""
+    def define(self, name: str, dtype: np.dtype, shape: tuple[int, ...], real_dtype: str,
+               block: tuple | None = None) -> None:
+        """Declare tensor ``name``: stored as ``dtype`` (numpy), really ``real_dtype`` (torch name).
+
+        ``block``: ``(global_shape, offset)`` when the tensor is that block of a
+        global array; a writer of one rank's own file may ignore it (puts are
+        always in the tensor's own coordinates).
+        """
 
     @abstractmethod
     def put(self, name: str, array: np.ndarray, start: tuple[int, ...]) -> None: ...
@@ -51,19 +66,32 @@ class StepWriter(ABC):
 class StagedStepWriter(StepWriter):
     """A writer whose unit is written at ``<final>.partial`` and renamed into place."""
 
-    def __init__(self, steps_dir: str, step: int, suffix: str):
-        self.step = step
-        self.final = os.path.join(steps_dir, step_stem(step) + suffix)
+    def __init__(self, final: str, clean: bool = True):
+        self.final = final
         self.tmp = self.final + ".partial"
-        remove_tree(self.tmp)  # left by a crash
+        if clean:
+            remove_tree(self.tmp)  # left by a crash
+
+    @abstractmethod
+    def write_manifest(self, manifest: bytes) -> None: ...
 
     @abstractmethod
     def close_files(self) -> None:
         """Close what is open; after this the unit at ``self.tmp`` is complete."""
 
-    def publish(self) -> str:
-        """Close, make durable, rename into place; the location to record in the index."""
+    def finish(self, manifest: bytes) -> str:
+        self.seal(manifest)
+        return self.publish()
+
+    def seal(self, manifest: bytes | None) -> None:
+        """Store the manifest (if given), close, and make this writer's bytes durable."""
+        if manifest is not None:
+            self.write_manifest(manifest)
         self.close_files()
+        fsync_tree(self.tmp)
+
+    def publish(self) -> str:
+        """Rename the sealed unit into place; the location to record in the index."""
         publish(self.tmp, self.final)
         return os.path.basename(self.final)
 
@@ -80,7 +108,7 @@ class StepReader(ABC):
     def manifest(self) -> bytes: ...
 
     @abstractmethod
-    def read(self, name: str, out: np.ndarray, start: tuple[int, ...]) -> None: ...
+    def read(self, name: str, out: np.ndarray, start: tuple[int, ...], part: int | None = None) -> None: ...
 
     @abstractmethod
     def close(self) -> None: ...
@@ -93,15 +121,38 @@ class StepReader(ABC):
 
 
 class Backend(ABC):
-    """A storage format for steps. Found by name through :func:`get_backend`."""
+    """A storage format for steps. Found by name through :func:`get_backend`.
+
+    A backend gives a writer and a reader of one file (``writer_at``,
+    ``reader_at``); steps of one process are one such file, steps of several
+    ranks a folder of them (:mod:`.ranks`) unless the backend overrides
+    ``begin_step`` to write one shared file.
+    """
 
     name: str = ""
+    suffix: str = ""
 
     @abstractmethod
-    def begin_step(self, steps_dir: str, step: int) -> StepWriter: ...
+    def writer_at(self, final: str, step: int) -> StagedStepWriter:
+        """A writer of one unit of ``step`` that will be published at ``final``."""
 
     @abstractmethod
-    def open_step(self, steps_dir: str, location: str) -> StepReader: ...
+    def reader_at(self, path: str) -> StepReader: ...
+
+    def begin_step(self, steps_dir: str, step: int, group=None) -> StepWriter:
+        if group is None or group.size == 1:
+            return self.writer_at(os.path.join(steps_dir, step_stem(step) + self.suffix), step)
+        from .ranks import RankFilesWriter
+
+        return RankFilesWriter(self, steps_dir, step, group)
+
+    def open_step(self, steps_dir: str, location: str) -> StepReader:
+        from .ranks import RANKS_SUFFIX, RankFilesReader
+
+        path = os.path.join(steps_dir, location)
+        if location.endswith(RANKS_SUFFIX):
+            return RankFilesReader(self, path)
+        return self.reader_at(path)
 
     def remove_step(self, steps_dir: str, location: str) -> None:
         remove_tree(os.path.join(steps_dir, location))
@@ -142,10 +193,13 @@ def fsync_dir(path: str) -> None:
 def remove_tree(path: str) -> None:
     import shutil
 
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=False)
-    elif os.path.exists(path):
-        os.remove(path)
+    try:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=False)
+        elif os.path.exists(path):
+            os.remove(path)
+    except FileNotFoundError:
+        pass  # removed meanwhile (by another rank)
 
 
 def publish(tmp_path: str, final_path: str) -> None:

@@ -27,12 +27,13 @@ def _box(start, count) -> tuple:
 
 
 class HDF5StepWriter(StagedStepWriter):
-    def __init__(self, steps_dir: str, step: int):
-        super().__init__(steps_dir, step, SUFFIX)
+    def __init__(self, final: str, step: int):
+        super().__init__(final)
+        self.step = step
         self.file = h5py.File(self.tmp, "w", libver="latest")
         self.file.attrs["step"] = step
 
-    def define(self, name, dtype, shape, real_dtype):
+    def define(self, name, dtype, shape, real_dtype, block=None):
         ds = self.file.create_dataset(name, shape=tuple(shape), dtype=np.dtype(dtype))
         ds.attrs["name"] = name
         ds.attrs["dtype"] = real_dtype
@@ -50,9 +51,8 @@ class HDF5StepWriter(StagedStepWriter):
     def write_out(self):
         pass  # puts are written at once
 
-    def finish(self, manifest: bytes) -> str:
+    def write_manifest(self, manifest: bytes) -> None:
         self.file.create_dataset(MANIFEST, data=np.frombuffer(manifest, dtype=np.uint8))
-        return self.publish()
 
     def close_files(self):
         self.file.close()
@@ -67,7 +67,7 @@ class HDF5StepReader(StepReader):
     def manifest(self) -> bytes:
         return self.file[MANIFEST][()].tobytes()
 
-    def read(self, name, out, start):
+    def read(self, name, out, start, part=None):
         ds = self.file[name]
         if out.size == 0:
             return
@@ -84,9 +84,10 @@ class HDF5Backend(Backend):
     """Plain HDF5 files through h5py."""
 
     name = "hdf5"
+    suffix = SUFFIX
 
-    def begin_step(self, steps_dir, step):
-        return HDF5StepWriter(steps_dir, step)
+    def writer_at(self, final, step):
+        return HDF5StepWriter(final, step)
 
-    def open_step(self, steps_dir, location):
-        return HDF5StepReader(os.path.join(steps_dir, location))
+    def reader_at(self, path):
+        return HDF5StepReader(path)

@@ -1,0 +1,178 @@
+"""Global tensors written by many ranks: who writes which block, and how the
+blocks become one record again.
+
+On every rank of a job, each tensor item is one of:
+
+- a shard: a ``DTensor`` (Shard/Replicate placements) or an item that declares
+  ``global_shape`` and ``offset``; the rank writes its block of the global array
+  (of DTensor replicas, only the one at coordinate 0 of each replicated mesh
+  dimension writes);
+- replicated (every other tensor of the model, optimizer and extras, as with
+  DDP): the ranks split the writing, so each byte is written once and the
+  bandwidth of every rank is used (:func:`split_replicated`);
+- per rank (RNG states): stored under ``rng/rank<r>``.
+
+At commit, rank 0 merges the per-rank records of each tensor into one
+record whose ``blocks`` say where each part lies (:func:`merge_records`), after
+checking that the blocks tile the global shape exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from .digest import checksum_bytes
+from .dtypes import storage_dtype
+from .items import TensorItem, TensorRecord
+
+
+def is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "placements")
+
+
+def local_box(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offset, shape)`` of this rank's shard of DTensor ``t`` in its global tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in t.placements:
+        if type(p).__name__ not in ("Shard", "Replicate"):
+            raise ValueError(
+                f"a DTensor with placement {p} cannot be checkpointed (Shard and Replicate can; "
+                "reduce Partial tensors first)"
+            )
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(int(o) for o in offset), tuple(int(s) for s in shape)
+
+
+def dtensor_item(item: TensorItem) -> TensorItem | None:
+    """The block this rank writes of a DTensor item, or None (a replica another rank writes)."""
+    t = item.tensor
+    coordinate = t.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the tensor's mesh
+        return None
+    offset, shape = local_box(t)
+    local = t.to_local().detach()
+    if tuple(local.shape) != shape:
+        raise ValueError(f"DTensor {item.name!r}: local shard {list(local.shape)} is not the expected {list(shape)}")
+    replica = any(c != 0 for c, p in zip(coordinate, t.placements) if type(p).__name__ == "Replicate")
+    if replica:
+        return None
+    return TensorItem(item.name, local, item.volatile, tuple(t.shape), offset)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * storage_dtype(t.dtype).itemsize
+
+
+def split_replicated(items: list[TensorItem], rank: int, size: int) -> list[TensorItem]:
+    """This rank's part of tensors that every rank holds in full.
+
+    Every rank computes the same plan from the same items: tensors larger than
+    an even share are cut along their first dimension across all ranks; the
+    others go whole, largest first, to the rank with the fewest bytes so far.
+    """
+    if size == 1:
+        return list(items)
+    share = sum(nbytes(i.tensor) for i in items) / size
+    load = [0.0] * size
+    mine = []
+    for item in sorted(items, key=lambda i: (-nbytes(i.tensor), i.name)):
+        t, n = item.tensor, nbytes(item.tensor)
+        if n > share and t.dim() > 0 and t.shape[0] >= size:
+            rows = t.shape[0]
+            for r in range(size):
+                a, b = rows * r // size, rows * (r + 1) // size
+                load[r] += n * (b - a) / rows
+                if r == rank:
+                    mine.append(TensorItem(item.name, t.narrow(0, a, b - a), item.volatile,
+                                           tuple(t.shape), (a,) + (0,) * (t.dim() - 1)))
+        else:
+            r = min(range(size), key=lambda k: load[k])
+            load[r] += n
+            if r == rank:
+                mine.append(item)
+    return mine
+
+
+# --- merging per-rank records at commit ------------------------------------------------
+
+def merge_records(per_rank: list[list[dict]], parts: bool) -> list[TensorRecord]:
+    """One record per global tensor from every rank's records of its blocks.
+
+    ``parts``: whether each rank wrote its own file (blocks then name the rank).
+    Raises ValueError naming the tensor when the blocks do not tile it.
+    """
+    by_name: dict[str, list[tuple[int, TensorRecord]]] = {}
+    for rank, records in enumerate(per_rank):
+        for doc in records:
+            rec = TensorRecord.from_json(doc)
+            by_name.setdefault(rec.name, []).append((rank, rec))
+    return [_merge(name, blocks, parts) for name, blocks in by_name.items()]
+
+
+def _merge(name: str, found: list[tuple[int, TensorRecord]], parts: bool) -> TensorRecord:
+    first = found[0][1]
+    shape = first.global_shape if first.global_shape is not None else first.shape
+    blocks = []
+    for rank, rec in found:
+        gshape = rec.global_shape if rec.global_shape is not None else rec.shape
+        if rec.dtype != first.dtype or gshape != shape:
+            raise ValueError(
+                f"tensor {name!r} differs between ranks: rank {found[0][0]} has {first.dtype}{list(shape)}, "
+                f"rank {rank} has {rec.dtype}{list(gshape)}"
+            )
+        start = rec.offset if rec.offset is not None else (0,) * len(shape)
+        blocks.append({"start": list(start), "count": list(rec.shape), "checksum": rec.checksum,
+                       "part": rank if parts else None, "stats": rec.stats})
+    blocks.sort(key=lambda b: b["start"])
+    _check_tiling(name, shape, blocks, [r for r, _ in found])
+    itemsize = first.nbytes // max(math.prod(first.shape), 1) if math.prod(first.shape) else 0
+    whole = len(blocks) == 1
+    checksum = blocks[0]["checksum"] if whole else "blocks:" + checksum_bytes(
+        ",".join(b["checksum"] for b in blocks).encode())
+    stats = combine_stats([(math.prod(b["count"]), b.pop("stats")) for b in blocks])
+    nbytes_ = sum(r.nbytes for _, r in found) if itemsize == 0 else math.prod(shape) * itemsize
+    return TensorRecord(name, first.dtype, tuple(shape), nbytes_, checksum, "raw", stats, blocks=blocks)
+
+
+def _check_tiling(name: str, shape, blocks: list[dict], ranks: list[int]) -> None:
+    total = math.prod(shape)
+    covered = sum(math.prod(b["count"]) for b in blocks)
+    if len(shape) and len(blocks) > 1:
+        lo = np.array([b["start"] for b in blocks])
+        hi = lo + np.array([b["count"] for b in blocks])
+        nonempty = np.all(hi > lo, axis=1)
+        overlap = np.all((lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :]), axis=2)
+        overlap &= nonempty[:, None] & nonempty[None, :]
+        np.fill_diagonal(overlap, False)
+        if overlap.any():
+            i, j = map(int, np.argwhere(overlap)[0])
+            raise ValueError(
+                f"tensor {name!r}: blocks at {blocks[i]['start']} and {blocks[j]['start']} overlap "
+                "(two ranks wrote the same part: is a replicated tensor declared as a shard?)"
+            )
+    if covered != total and not (total == 0):
+        raise ValueError(
+            f"tensor {name!r} of shape {list(shape)}: the ranks wrote {covered} of its {total} elements "
+            f"(blocks from ranks {sorted(set(ranks))}); every element must be written by exactly one rank"
+        )
+
+
+def combine_stats(parts: list[tuple[int, dict]]) -> dict:
+    """Statistics of a tensor from those of its blocks (Chan's formula for mean and variance)."""
+    parts = [(n, s) for n, s in parts if n and "mean" in s]
+    nonfinite = sum(int(s.get("nonfinite", 0)) for _, s in parts)
+    if not parts:
+        return {"nonfinite": nonfinite}
+    total = sum(n for n, _ in parts)
+    mean = sum(n * s["mean"] for n, s in parts) / total
+    m2 = sum(n * s["std"] ** 2 + n * (s["mean"] - mean) ** 2 for n, s in parts)
+    return {
+        "norm": math.sqrt(sum(s["norm"] ** 2 for _, s in parts)),
+        "min": min(s["min"] for _, s in parts), "max": max(s["max"] for _, s in parts),
+        "mean": mean, "std": math.sqrt(m2 / total) if m2 >= 0 else math.nan, "nonfinite": nonfinite,
+    }

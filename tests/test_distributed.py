@@ -1,0 +1,190 @@
+"""One history written by several ranks: real jobs under ``mpirun`` and ``torchrun``.
+
+Each job (tests/jobs/dist_train.py) trains a small model with DDP (gloo) or
+sharded with DTensor, checkpoints every step, and keeps the global tensors of
+every step; restores on 1, 2 and 4 ranks compare every tensor bit for bit, and
+the history is read back through ``datastates_hist.open``. Oversubscribed on
+the CI machine's 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import datastates_hist as dh
+from datastates_hist.sharding import merge_records, split_replicated
+from datastates_hist.items import TensorItem, TensorRecord
+
+JOB = os.path.join(os.path.dirname(__file__), "jobs", "dist_train.py")
+
+
+def _mpi_ready() -> str | None:
+    if shutil.which("mpirun") is None:
+        return "mpirun is not installed (tools/install_mpi.sh)"
+    try:
+        import adios2
+        import mpi4py  # noqa: F401
+    except ImportError as exc:
+        return f"{exc.name} is not installed (tools/install_mpi.sh)"
+    if not adios2.is_built_with_mpi:
+        return "adios2 is built without MPI (tools/install_mpi.sh)"
+    return None
+
+
+needs_mpi = pytest.mark.skipif(_mpi_ready() is not None, reason=str(_mpi_ready()))
+
+
+def launch(how: str, n: int, *args: str) -> str:
+    """Run the job on ``n`` ranks (``how``: mpirun, torchrun, or none for one process); its output."""
+    cmd = [sys.executable, JOB, *args]
+    if how == "mpirun":
+        cmd = ["mpirun", "-n", str(n), *cmd]
+    elif how == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *cmd[1:]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-4000:]}"
+    return out
+
+
+def restored_lines(out: str, n: int, step: int) -> list[str]:
+    lines = sorted(re.findall(r"rank \d+: restored step .*?differ \[.*?\]", out))
+    assert len(lines) == n, out
+    for line in lines:
+        assert f"restored step {step} " in line and "17 tensors compared, 0 differ" in line, line
+    return lines
+
+
+def check_restores(how: str, run: str, writers: int, model: str, step: int) -> None:
+    """Restore ``step`` on 1, 2 and 4 ranks: every global tensor equal to the one written."""
+    restored_lines(launch("none", 1, "restore", run, str(step), "--model", "plain"), 1, step)
+    for n in (2, 4):
+        lines = restored_lines(launch(how, n, "restore", run, str(step), "--model", model), n, step)
+        # RNG states are per rank: restored only on as many ranks as wrote them
+        assert all(("(rng True)" in line) == (n == writers) for line in lines), lines
+
+
+def trained(how: str, n: int, run: str, *args: str) -> list[int]:
+    out = launch(how, n, "train", run, *args)
+    steps = set(re.findall(r"rank \d+: steps (\[.*\])", out))
+    assert len(steps) == 1 and len(re.findall(r"rank \d+: steps", out)) == n, out
+    return json.loads(steps.pop())
+
+
+@needs_mpi
+@pytest.mark.parametrize("writers", [2, 4])
+@pytest.mark.parametrize("model", ["ddp", "dtensor"])
+def test_mpi_history_restores_bit_exact_on_1_2_4_ranks(tmp_path, model, writers):
+    run = str(tmp_path / "run")
+    assert trained("mpirun", writers, run, "--model", model) == list(range(10))
+    # one BP5 file per step, written collectively (not a file per rank)
+    unit = os.path.join(run, "steps", "000000000009.bp")
+    assert os.path.isdir(unit) and os.path.exists(os.path.join(unit, "md.idx"))
+    with dh.open(run) as h:
+        assert h.steps == list(range(10))
+        rows = h.tensors(9).set_index("name")
+        assert {"rng/rank0/torch", f"rng/rank{writers - 1}/torch"} <= set(rows.index)
+        assert tuple(rows.loc["model/fc1.weight", "shape"]) == (10, 12)
+    check_restores("mpirun", run, writers, model, 9 if writers == 4 else 4)
+
+
+@needs_mpi
+def test_mpi_aggregators_set_the_number_of_subfiles(tmp_path):
+    run = str(tmp_path / "run")
+    trained("mpirun", 4, run, "--model", "ddp", "--steps", "2", "--aggregators", "2")
+    files = sorted(f for f in os.listdir(os.path.join(run, "steps", "000000000001.bp")) if f.startswith("data."))
+    assert files == ["data.0", "data.1"]
+    restored_lines(launch("none", 1, "restore", run, "1", "--model", "plain"), 1, 1)
+
+
+@needs_mpi
+@pytest.mark.parametrize("how", ["raise", "put"])
+@pytest.mark.parametrize("writers", [2, 4])
+def test_mpi_a_failing_rank_leaves_the_step_uncommitted_everywhere(tmp_path, how, writers):
+    run = str(tmp_path / "run")
+    out = launch("mpirun", writers, "train", run, "--model", "dtensor",
+                 "--fail-rank", "1", "--fail-step", "5", "--fail-how", how)
+    steps = re.findall(r"rank \d+: steps (\[.*\])", out)
+    assert steps == ["[0, 1, 2, 3, 4, 6, 7, 8, 9]"] * writers, out
+    # every rank learned that step 5 failed, and why
+    for rank in range(writers):
+        failures = re.findall(rf"rank {rank}: FAILURE .*", out)
+        assert any("step 5" in f and "not committed" in f for f in failures), (rank, out)
+        if rank != 1:
+            assert any("rank 1 of" in f for f in failures), (rank, out)
+    assert sorted(os.listdir(os.path.join(run, "steps"))) == [f"{s:012d}.bp" for s in (0, 1, 2, 3, 4, 6, 7, 8, 9)]
+    restored_lines(launch("mpirun", 2, "restore", run, "6", "--model", "dtensor"), 2, 6)
+
+
+@needs_mpi
+def test_mpi_hdf5_writes_a_file_per_rank(tmp_path):
+    run = str(tmp_path / "run")
+    assert trained("mpirun", 2, run, "--model", "ddp", "--backend", "hdf5") == list(range(10))
+    unit = os.path.join(run, "steps", "000000000009.ranks")
+    assert sorted(os.listdir(unit)) == ["rank00000.h5", "rank00001.h5"]
+    check_restores("mpirun", run, 2, "ddp", 9)
+
+
+@pytest.mark.parametrize("model", ["ddp", "dtensor"])
+def test_torchrun_history_restores_bit_exact(tmp_path, model):
+    run = str(tmp_path / "run")
+    assert trained("torchrun", 2, run, "--model", model) == list(range(10))
+    unit = os.path.join(run, "steps", "000000000009.ranks")
+    assert sorted(os.listdir(unit)) == ["rank00000.bp", "rank00001.bp"]  # serial BP5, one per rank
+    check_restores("torchrun", run, 2, model, 9)
+
+
+def test_torchrun_a_failing_rank_leaves_the_step_uncommitted(tmp_path):
+    run = str(tmp_path / "run")
+    out = launch("torchrun", 2, "train", run, "--model", "ddp", "--fail-rank", "0", "--fail-step", "3",
+                 "--fail-how", "put")
+    assert re.findall(r"rank \d+: steps (\[.*\])", out) == ["[0, 1, 2, 4, 5, 6, 7, 8, 9]"] * 2, out
+    assert re.search(r"rank 1: FAILURE .*step 3 .*rank 0 of 2: OSError: injected failure", out), out
+
+
+# --- the pieces, without launching ranks -------------------------------------------------
+
+def test_replicated_tensors_are_split_into_disjoint_parts_that_cover_them():
+    import torch
+
+    items = [TensorItem(f"t{i}", torch.zeros(shape)) for i, shape in
+             enumerate([(1000, 8), (7, 3), (5,), (), (64, 64), (3, 2)])]
+    for size in (1, 2, 3, 4, 8):
+        parts = [split_replicated(items, r, size) for r in range(size)]
+        records = [[TensorRecord(p.name, "float32", tuple(p.tensor.shape), p.tensor.numel() * 4, f"c{r}",
+                                 stats={}, global_shape=p.global_shape, offset=p.offset).to_json()
+                    for p in part] for r, part in enumerate(parts)]
+        merged = {r.name: r for r in merge_records(records, parts=True)}
+        assert sorted(merged) == sorted(i.name for i in items)
+        for item in items:
+            assert merged[item.name].shape == tuple(item.tensor.shape)
+        loads = [sum(p.tensor.numel() for p in part) for part in parts]
+        assert max(loads) <= 1.5 * sum(loads) / size + 64 * 64  # balanced within one tensor
+
+
+def _rec(name, shape, offset, gshape=(4, 4)):
+    return TensorRecord(name, "float32", shape, 4 * shape[0] * shape[1], "x", stats={},
+                        global_shape=gshape, offset=offset).to_json()
+
+
+def test_merging_blocks_names_a_gap_an_overlap_and_a_disagreement():
+    with pytest.raises(ValueError, match=r"'w' of shape \[4, 4\]: the ranks wrote 8 of its 16"):
+        merge_records([[_rec("w", (2, 4), (0, 0))], []], parts=False)
+    with pytest.raises(ValueError, match=r"'w': blocks at \[0, 0\] and \[1, 0\] overlap"):
+        merge_records([[_rec("w", (2, 4), (0, 0))], [_rec("w", (2, 4), (1, 0))],
+                       [_rec("w", (1, 4), (3, 0))]], parts=False)
+    with pytest.raises(ValueError, match=r"'w' differs between ranks"):
+        merge_records([[_rec("w", (2, 4), (0, 0))], [_rec("w", (2, 4), (2, 0), gshape=(5, 4))]], parts=False)
+
+
+def test_bad_comm_is_named(tmp_path):
+    with pytest.raises(TypeError, match="comm must be an mpi4py communicator.*got int"):
+        dh.Checkpointer(str(tmp_path / "run"), comm=3)
