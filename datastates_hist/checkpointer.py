@@ -87,10 +87,17 @@ class Checkpointer:
             raise failure
         if verdict is not None:
             raise CheckpointError(f"rank 0 could not open {self.path} for writing: {verdict}")
-        if not self.group.root:
-            self.index = Index(self.path)
-        self.backend_name = backend or self.index.meta("backend") or "adios2"
-        self.backend = make_backend(self.backend_name, backend_options)
+        try:
+            if not self.group.root:
+                self.index = Index(self.path)
+            self.backend_name = backend or self.index.meta("backend") or "adios2"
+            self.backend = make_backend(self.backend_name, backend_options)
+        except BaseException:  # give the lock back: a failed open must not block the next one
+            if self.index is not None:
+                self.index.close()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+            raise
         self.refuse_nonfinite = refuse_nonfinite
         self.model, self.optimizer = model, optimizer
         self.host_cache_bytes, self.piece_bytes = host_cache_bytes, piece_bytes

@@ -11,6 +11,7 @@ training loop at its next ``write()``, ``wait()`` or ``close()``.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -71,14 +72,14 @@ class Flusher:
         if kind == "begin":
             current = _Step(msg[1])
             self._guard(current, lambda: setattr(current, "writer", self.open_writer(current.ckpt.step)))
-        elif kind == "piece":
-            piece: Piece = msg[1]
-            if current.ckpt.error is None:
-                self._guard(current, lambda: self._put(current, piece))
-            if current.ckpt.error is not None:
-                self._release(current)
-                if piece.region is not None:
-                    self.cache.free(piece.region)
+        elif kind in ("piece", "pieces"):
+            for piece in ([msg[1]] if kind == "piece" else msg[1]):
+                if current.ckpt.error is None:
+                    self._guard(current, lambda: self._put(current, piece))
+                if current.ckpt.error is not None:
+                    self._release(current)
+                    if piece.region is not None and piece.owner:
+                        self.cache.free(piece.region)
         elif kind == "space":
             if current is not None and current.writer is not None and current.ckpt.error is None:
                 self._guard(current, current.writer.write_out)
@@ -113,10 +114,13 @@ class Flusher:
             if piece.copied is not None:
                 piece.copied.synchronize()
             raw = self.cache.view(piece.region)
+            if not piece.owner or piece.at:  # one of several small tensors in the region
+                raw = raw[piece.at:piece.at + max(math.prod(piece.count), 1) * sdtype.itemsize]
             array = raw.numpy().view(sdtype).reshape(piece.count)
             digest.update(array, t.dtype)
             step.writer.put(item.name, array, piece.start)
-            self.unwritten.append(piece.region)
+            if piece.owner:
+                self.unwritten.append(piece.region)
         if piece.last:
             stats = digest.stats()
             if self.refuse_nonfinite and stats["nonfinite"]:

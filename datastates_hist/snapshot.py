@@ -20,9 +20,12 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .cache import HostCache, Region
+from .cache import HostCache, Region, _aligned
 from .dtypes import storage_dtype, storage_torch_dtype
 from .items import TensorItem
+
+
+SMALL_BYTES = 1 << 20  # tensors up to this size are copied and flushed together
 
 
 @dataclass
@@ -57,6 +60,8 @@ class Piece:
     count: tuple[int, ...]
     last: bool
     copied: Any = None  # CUDA event after the copy
+    at: int = 0  # byte offset of this piece in the region (small tensors share one)
+    owner: bool = True  # the piece whose write gives the region back
 
 
 def pieces(shape: tuple[int, ...], itemsize: int, max_bytes: int) -> Iterator[tuple[tuple, tuple]]:
@@ -129,13 +134,26 @@ class Snapshotter:
             self.stream = torch.cuda.Stream(device=device)  # a side stream: training's stays free
         if cuda and ckpt.ready_event is not None:
             self.stream.wait_event(ckpt.ready_event)
+        small: list[tuple[int, torch.Tensor]] = []  # copied together, one region and one message
+        small_bytes = 0
         for index, item in enumerate(ckpt.tensors):
             if ckpt.error is not None:
                 break
             if not item.volatile and not ckpt.volatile_done.is_set():
+                small, small_bytes = self._copy_small(ckpt, small, cuda), 0
                 ckpt.volatile_copied = self._mark(cuda)
                 ckpt.volatile_done.set()
-            self._copy_tensor(ckpt, index, item.tensor, cuda)
+            t = item.tensor
+            nbytes = t.numel() * storage_dtype(t.dtype).itemsize
+            if 0 < nbytes <= min(SMALL_BYTES, self.piece_bytes // 4):
+                if small_bytes + _aligned(nbytes) > self.piece_bytes:
+                    small, small_bytes = self._copy_small(ckpt, small, cuda), 0
+                small.append((index, t))
+                small_bytes += _aligned(nbytes)
+            else:
+                self._copy_tensor(ckpt, index, t, cuda)
+        if ckpt.error is None:
+            self._copy_small(ckpt, small, cuda)
         ckpt.volatile_copied = ckpt.volatile_copied or self._mark(cuda)
         ckpt.copied = self._mark(cuda)
 
@@ -145,6 +163,37 @@ class Snapshotter:
         event = torch.cuda.Event()
         event.record(self.stream)
         return event
+
+    def _copy_small(self, ckpt: PendingCheckpoint, small: list, cuda: bool) -> list:
+        """Copy many small tensors into one region, handed on as one message: their
+        fixed costs (allocation, queue, thread switches) are paid once. Returns []."""
+        if not small:
+            return []
+        sizes = [t.numel() * storage_dtype(t.dtype).itemsize for _, t in small]
+        offsets = [0]
+        for n in sizes[:-1]:
+            offsets.append(offsets[-1] + _aligned(n))
+        region = self.cache.alloc(
+            offsets[-1] + sizes[-1], on_wait=lambda: self.out.put(("space",)),
+            cancelled=lambda: ckpt.error is not None,
+        )
+        buf = self.cache.view(region)
+        batch = []
+        for (index, t), at, n in zip(small, offsets, sizes):
+            src = t.view(storage_torch_dtype(t.dtype)) if t.dim() else t.reshape(1).view(storage_torch_dtype(t.dtype))
+            dst = buf[at:at + n].view(src.dtype).view(src.shape)
+            if src.is_cuda:
+                with torch.cuda.stream(self.stream):
+                    dst.copy_(src, non_blocking=True)
+            else:
+                np.copyto(dst.numpy(), src.numpy())
+            batch.append(Piece(ckpt, index, region, (0,) * t.dim(), tuple(t.shape), True, at=at, owner=False))
+        batch[-1].owner = True
+        event = self._mark(cuda)
+        for piece in batch:
+            piece.copied = event
+        self.out.put(("pieces", batch))
+        return []
 
     def _copy_tensor(self, ckpt: PendingCheckpoint, index: int, t: torch.Tensor, cuda: bool) -> None:
         src = t.view(storage_torch_dtype(t.dtype)) if t.dim() else t.reshape(1).view(storage_torch_dtype(t.dtype))

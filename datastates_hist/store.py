@@ -10,6 +10,7 @@ Layout of a run directory::
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -51,11 +52,32 @@ class StepData:
         self.records = {r["name"]: TensorRecord.from_json(r) for r in doc["tensors"]}
         self.values: dict[str, Any] = doc["values"]
         self.world_size = int(doc.get("world_size", 1))  # ranks that wrote the step
+        self._prefetched: dict[str, np.ndarray] = {}
 
     def read(self, name: str, verify: bool = True) -> torch.Tensor:
         """Tensor ``name`` in host memory, its checksum verified."""
         rec = self._record(name)
+        if name in self._prefetched:
+            return torch.from_numpy(self._prefetched.pop(name)).view(torch_dtype(rec.dtype))
         return self._tensor(rec, (0,) * len(rec.shape), rec.shape, verify)
+
+    def prefetch(self, names) -> None:
+        """Read these whole tensors together (one batch for the backend), checksums
+        verified; each later :meth:`read` of one of them returns it once."""
+        wanted = [self.records[n] for n in names if n in self.records and n not in self._prefetched]
+        wanted = [r for r in wanted if r.blocks is None and math.prod(r.shape)]
+        outs = [np.empty(r.shape, dtype=storage_dtype(torch_dtype(r.dtype))) for r in wanted]
+        try:
+            self.reader.read_many([(r.name, out, (0,) * len(r.shape)) for r, out in zip(wanted, outs)])
+        except Exception as exc:
+            raise CorruptionError(f"the tensors of step {self.row.step} in {self.run_dir} cannot be read: {exc}") from exc
+        for rec, out in zip(wanted, outs):
+            if checksum_bytes(out.reshape(-1).view(np.uint8)) != rec.checksum:
+                raise CorruptionError(
+                    f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} does not match "
+                    "its checksum: the stored data is damaged"
+                )
+            self._prefetched[rec.name] = out
 
     def read_box(self, name: str, start: tuple[int, ...], count: tuple[int, ...],
                  verify: bool = False) -> torch.Tensor:

@@ -133,6 +133,10 @@ class OptimizerProvider(StateProvider):
         bad = {n for n, _, _ in problems.mismatched}
         params = {n: p for g, names in zip(opt.param_groups, self._names(opt, ctx))
                   for p, n in zip(g["params"], names)}
+        by_param: dict[str, list[tuple[str, str]]] = {}  # param name -> [(state key, record name)]
+        for rname in state.records:
+            _, pname, key = rname.split("/", 2)
+            by_param.setdefault(pname, []).append((key, rname))
         sd_groups, sd_state, k = [], {}, 0
         for group, names in zip(opt.param_groups, self._names(opt, ctx)):
             options = {key: v for key, v in group.items() if key != "params"}
@@ -142,9 +146,9 @@ class OptimizerProvider(StateProvider):
             ids = []
             for name in names:
                 entry = {key: values.decode(v) for key, v in scalars.get(name, {}).items()}
-                for rname in state.records:
-                    if rname.split("/")[1] == name and rname not in bad:
-                        entry[rname.split("/", 2)[2]] = state.tensor_like(rname, params.get(name))
+                for key, rname in by_param.get(name, []):
+                    if rname not in bad:
+                        entry[key] = state.tensor_like(rname, params.get(name))
                 if entry:
                     sd_state[k] = entry
                 ids.append(k)

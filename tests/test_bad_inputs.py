@@ -301,6 +301,17 @@ def shard_outside_its_global_shape(tmp):
         ckpt.write(0, linear(), shard=Sharded())
 
 
+def comm_of_an_unknown_kind(tmp):
+    dh.Checkpointer(tmp / "run", comm=3)
+
+
+def backend_option_it_does_not_take(tmp):
+    try:
+        dh.Checkpointer(tmp / "run", backend="hdf5", backend_options={"parameters": {"NumAggregators": "2"}})
+    finally:
+        dh.Checkpointer(tmp / "run").close()  # the failed open gave the lock back
+
+
 def provider_that_is_not_one(tmp):
     register_provider(Opaque, lambda obj: obj)
 
@@ -375,6 +386,10 @@ CASES = [
     ("shard outside its global shape", shard_outside_its_global_shape, ValueError,
      r"shard 'extra/shard/w' of shape \[4, 4\] at offset \[6, 0\] does not fit its global shape \[8, 4\]"),
     ("provider that is not a StateProvider", provider_that_is_not_one, TypeError, r"is not a StateProvider"),
+    ("comm of an unknown kind", comm_of_an_unknown_kind, TypeError,
+     r"comm must be an mpi4py communicator, a torch.distributed process group or 'torch', got int"),
+    ("backend option it does not take", backend_option_it_does_not_take, TypeError,
+     r"backend 'hdf5' does not take the options \['parameters'\]"),
 ]
 
 

@@ -184,7 +184,3 @@ def test_merging_blocks_names_a_gap_an_overlap_and_a_disagreement():
     with pytest.raises(ValueError, match=r"'w' differs between ranks"):
         merge_records([[_rec("w", (2, 4), (0, 0))], [_rec("w", (2, 4), (2, 0), gshape=(5, 4))]], parts=False)
 
-
-def test_bad_comm_is_named(tmp_path):
-    with pytest.raises(TypeError, match="comm must be an mpi4py communicator.*got int"):
-        dh.Checkpointer(str(tmp_path / "run"), comm=3)

@@ -7,6 +7,13 @@ Sections (``--sections``, default all):
   flush    flush throughput of a state larger than the host cache, against dd with fdatasync
            to the same target.
   restore  restore time against torch.load(mmap=True) and torch.distributed.checkpoint.load.
+  slow     storage slower than training (``--slow-mb-per-s``, emulated by a writer that
+           takes state bytes / rate per put): step times (median, 95th percentile), the
+           step time the storage allows, and peak RSS against no checkpointing, with a
+           host cache of ``--slow-cache-mb``.
+  query    one tensor across 50 steps from a history against 50 torch.load (the
+           query benchmark of tools/bench_query.py, run from here).
+``--figure PATH`` draws the end-to-end step times per configuration (matplotlib).
 Each configuration runs in a fresh process; configurations alternate across repetitions so
 that drifts of a shared machine hit all alike. Medians are printed with ratios.
 
@@ -28,6 +35,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, ROOT)
 
 E2E_CONFIGS = ("none", "torch.save", "dcp.async_save", "dh-adios2", "dh-hdf5")
@@ -41,7 +49,31 @@ def state_of(model, opt) -> dict:
     return {"model": model.state_dict(), "optim": opt.state_dict()}
 
 
-def e2e_child(config: str, target: str, size: str, steps: int, warmup: int, cache_mb: int) -> dict:
+def throttled(name: str, mb_per_s: float) -> str:
+    """Register a backend that writes through ``name`` at no more than ``mb_per_s``: each put
+    takes its bytes / rate longer, as on a slower device; its space in the host cache is
+    held until then, as on a real one."""
+    from datastates_hist.backends import get_backend, register_backend
+
+    inner = get_backend(name)
+
+    class Throttled(type(inner)):
+        def begin_step(self, steps_dir, step, group=None):
+            writer = inner.begin_step(steps_dir, step)
+            put = writer.put
+
+            def slow_put(var, array, start):
+                put(var, array, start)
+                time.sleep(array.nbytes / (mb_per_s * 1e6))
+            writer.put = slow_put
+            return writer
+
+    register_backend(f"slow-{name}", Throttled())
+    return f"slow-{name}"
+
+
+def e2e_child(config: str, target: str, size: str, steps: int, warmup: int, cache_mb: int,
+              slow_mb_per_s: float = 0) -> dict:
     """Train ``steps`` steps under one configuration."""
     import torch
     import torch.nn.functional as F
@@ -56,7 +88,8 @@ def e2e_child(config: str, target: str, size: str, steps: int, warmup: int, cach
     if config.startswith("dh-"):
         import datastates_hist as dh
 
-        ckpt = dh.Checkpointer(target, backend=config[3:], host_cache_bytes=cache_mb << 20)
+        backend = throttled(config[3:], slow_mb_per_s) if slow_mb_per_s else config[3:]
+        ckpt = dh.Checkpointer(target, backend=backend, host_cache_bytes=cache_mb << 20)
     if config.startswith("dcp"):
         import warnings
 
@@ -91,8 +124,8 @@ def e2e_child(config: str, target: str, size: str, steps: int, warmup: int, cach
         blocked = [ckpt.blocked_seconds / ckpt.writes]  # write() and the hooks' waits
     drain = time.perf_counter() - d0
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
-    return {"step_s": statistics.median(step_times), "blocked_s": statistics.mean(blocked),
-            "drain_s": drain, "state_bytes": nbytes, "rss_mb": peak_rss_mb()}
+    return {"step_s": statistics.median(step_times), "step_p95_s": sorted(step_times)[int(0.95 * (len(step_times) - 1))],
+            "blocked_s": statistics.mean(blocked), "drain_s": drain, "state_bytes": nbytes, "rss_mb": peak_rss_mb()}
 
 
 def flush_child(config: str, target: str, total_mb: int, cache_mb: int) -> dict:
@@ -175,7 +208,8 @@ def run_child(section: str, config: str, target_root: str, args) -> dict:
         out = subprocess.run(
             [sys.executable, __file__, "--child", section, config, target, "--sizes", args.size,
              "--steps", str(args.steps), "--warmup", str(args.warmup), "--cache-mb", str(args.cache_mb),
-             "--flush-mb", str(args.flush_mb)],
+             "--flush-mb", str(args.flush_mb), "--slow-mb-per-s", str(args.slow_mb_per_s if section == "slow" else 0),
+             "--slow-cache-mb", str(args.slow_cache_mb)],
             check=True, capture_output=True, text=True,
         )
     except subprocess.CalledProcessError as exc:
@@ -231,6 +265,24 @@ def bench_flush(args, targets, backends) -> list[dict]:
     return rows
 
 
+def bench_slow(args, targets, backends) -> list[dict]:
+    configs = ["none"] + [f"dh-{b}" for b in backends]
+    results = collect("slow", configs, targets, args)
+    rows = []
+    for target in targets:
+        base = results[(target, "none")]
+        for config in configs:
+            rs = results[(target, config)]
+            storage_ms = rs[0]["state_bytes"] / (args.slow_mb_per_s * 1e6) * 1e3
+            rows.append({"target": target, "config": config, "step_ms": med(rs, "step_s") * 1e3,
+                         "p95_ms": med(rs, "step_p95_s") * 1e3,
+                         "storage_ms": storage_ms if config != "none" else None,
+                         "peak_rss_mb": med(rs, "rss_mb"),
+                         "rss_over_none_mb": med(rs, "rss_mb") - med(base, "rss_mb"),
+                         "cache_mb": args.slow_cache_mb if config != "none" else None})
+    return rows
+
+
 def bench_restore(args, targets, backends) -> list[dict]:
     configs = ["torch.load", "dcp.load"] + [f"dh-{b}" for b in backends]
     results = collect("restore", configs, targets, args)
@@ -259,7 +311,7 @@ def print_table(title: str, rows: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sections", default="e2e,flush,restore")
+    p.add_argument("--sections", default="e2e,flush,restore,slow")
     p.add_argument("--sizes", default="small", help="example model sizes (tiny, small, medium)")
     p.add_argument("--targets", default="/dev/shm," + tempfile.gettempdir())
     p.add_argument("--configs", default=",".join(E2E_CONFIGS))
@@ -269,6 +321,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--cache-mb", type=int, default=1024, help="datastates-hist host cache")
     p.add_argument("--flush-mb", type=int, default=1024, help="state size of the flush section")
+    p.add_argument("--slow-mb-per-s", type=float, default=40, help="storage speed of the slow section")
+    p.add_argument("--slow-cache-mb", type=int, default=128, help="host cache of the slow section")
+    p.add_argument("--figure", help="write a PNG of the end-to-end step times here")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", nargs=3, metavar=("SECTION", "CONFIG", "TARGET"))
     args = p.parse_args()
@@ -277,6 +332,9 @@ def main() -> None:
         args.size = args.sizes
         if section == "e2e":
             out = e2e_child(config, target, args.size, args.steps, args.warmup, args.cache_mb)
+        elif section == "slow":
+            out = e2e_child(config, target, args.size, args.steps, args.warmup, args.slow_cache_mb,
+                            args.slow_mb_per_s)
         elif section == "flush":
             out = flush_child(config, target, args.flush_mb, args.cache_mb)
         else:
@@ -293,15 +351,52 @@ def main() -> None:
             report[f"e2e {size}"] = bench_e2e(args, targets, args.configs.split(","))
         if "restore" in sections:
             report[f"restore {size}"] = bench_restore(args, targets, backends)
+        if "slow" in sections:
+            report[f"slow storage {size} ({args.slow_mb_per_s:g} MB/s)"] = bench_slow(args, targets, backends)
     if "flush" in sections:
         args.size = args.sizes.split(",")[0]
         report["flush"] = bench_flush(args, targets, backends)
+    if args.figure:
+        figure(report, args.figure)
     if args.json:
         print(json.dumps(report, indent=1))
+    else:
+        for title, rows in report.items():
+            if title != "machine":
+                print_table(title, rows)
+    if "query" in sections:
+        import bench_query
+
+        bench_query.main(["--size", args.sizes.split(",")[0], "--reps", str(args.reps)])
+
+
+def figure(report: dict, path: str) -> None:
+    """Bars of the median step time per configuration, one group per target, for each size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    e2e = {k: v for k, v in report.items() if k.startswith("e2e")}
+    if not e2e:
         return
-    for title, rows in report.items():
-        if title != "machine":
-            print_table(title, rows)
+    fig, axes = plt.subplots(1, len(e2e), figsize=(6 * len(e2e), 4), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], e2e.items()):
+        targets = list(dict.fromkeys(r["target"] for r in rows))
+        configs = list(dict.fromkeys(r["config"] for r in rows))
+        width = 0.8 / len(configs)
+        for i, config in enumerate(configs):
+            ms = [next(r["step_ms"] for r in rows if r["target"] == t and r["config"] == config) for t in targets]
+            bars = ax.bar([k + i * width for k in range(len(targets))], ms, width, label=config)
+            ax.bar_label(bars, labels=[f"{m / ms0:.2f}x" for m, ms0 in zip(ms, [
+                next(r["step_ms"] for r in rows if r["target"] == t and r["config"] == configs[0]) for t in targets])],
+                fontsize=7)
+        ax.set_xticks([k + width * (len(configs) - 1) / 2 for k in range(len(targets))], targets)
+        ax.set_ylabel("median step time (ms)")
+        ax.set_title(f"{title}: checkpoint every step (ratio to {configs[0]})")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -225,8 +225,13 @@ class FileWriter:
         """Copy every block put so far into ADIOS2's buffers; their memory may then be reused."""
         self.adios.check(self.lib.adios2_perform_puts(self.engine), "perform_puts", self.path)
 
+    def perform_puts(self) -> None:
+        """Copy every block put so far into ADIOS2's buffers; their memory may then be reused."""
+        self.adios.check(self.lib.adios2_perform_puts(self.engine), "perform_puts", self.path)
+
     def write_out(self) -> None:
-        """Write every block put so far to the file; their memory may then be reused."""
+        """Write every block put so far to the file; their memory may then be reused.
+        (PerformDataWrite alone does not consume blocks kept by pointer: PerformPuts first.)"""
         self.adios.check(self.lib.adios2_perform_puts(self.engine), "perform_puts", self.path)
         rc = self.lib.adios2_perform_data_write(self.engine)
         self.adios.check(rc, "perform_data_write", self.path)
@@ -278,6 +283,17 @@ class FileReader:
         self.adios.check(rc, f"set_selection of {name}", self.path)
         rc = self.lib.adios2_get(self.engine, var, c_void_p(pointer), MODE_SYNC)
         self.adios.check(rc, f"get of {name}", self.path)
+
+    def get_deferred(self, name: str, pointer: int, start, count) -> None:
+        """Like :meth:`get`, but the read happens at :meth:`perform_gets` (all at once)."""
+        var = self._variable(name)
+        rc = self.lib.adios2_set_selection(var, len(start), _sizes(start), _sizes(count))
+        self.adios.check(rc, f"set_selection of {name}", self.path)
+        rc = self.lib.adios2_get(self.engine, var, c_void_p(pointer), MODE_DEFERRED)
+        self.adios.check(rc, f"get of {name}", self.path)
+
+    def perform_gets(self) -> None:
+        self.adios.check(self.lib.adios2_perform_gets(self.engine), "perform_gets", self.path)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The global shape of array ``name``."""

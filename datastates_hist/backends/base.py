@@ -110,6 +110,11 @@ class StepReader(ABC):
     @abstractmethod
     def read(self, name: str, out: np.ndarray, start: tuple[int, ...], part: int | None = None) -> None: ...
 
+    def read_many(self, requests: list[tuple[str, np.ndarray, tuple[int, ...]]]) -> None:
+        """Several ``read(name, out, start)`` of the one shared file; a backend may batch them."""
+        for name, out, start in requests:
+            self.read(name, out, start)
+
     @abstractmethod
     def close(self) -> None: ...
 
