@@ -92,11 +92,8 @@ class Checkpointer:
                 self.index = Index(self.path)
             self.backend_name = backend or self.index.meta("backend") or "adios2"
             self.backend = make_backend(self.backend_name, backend_options)
-        except BaseException:  # give the lock back: a failed open must not block the next one
-            if self.index is not None:
-                self.index.close()
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
+        except BaseException:
+            self._give_back()
             raise
         self.refuse_nonfinite = refuse_nonfinite
         self.model, self.optimizer = model, optimizer
@@ -131,12 +128,16 @@ class Checkpointer:
             self.index = Index(self.path, create=True, backend=backend or "adios2")
             get_backend(backend or self.index.meta("backend") or "adios2")
             remove_uncommitted(steps_dir(self.path), self.index)
-        except BaseException:  # give the lock back: a failed open must not block the next one
-            if self.index is not None:
-                self.index.close()
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
+        except BaseException:
+            self._give_back()
             raise
+
+    def _give_back(self) -> None:
+        """Close the index and give the lock back (a failed open must not block the next one)."""
+        if self.index is not None:
+            self.index.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
 
     # --- writing ------------------------------------------------------------------------
 
@@ -350,9 +351,7 @@ class Checkpointer:
                 self._flusher.thread.join()
             if self._flush_index is not None:
                 self._flush_index.close()
-            self.index.close()
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
+            self._give_back()
 
     def __enter__(self) -> "Checkpointer":
         return self

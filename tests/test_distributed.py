@@ -97,6 +97,14 @@ def test_mpi_history_restores_bit_exact_on_1_2_4_ranks(tmp_path, model, writers)
 
 
 @needs_mpi
+@pytest.mark.parametrize("model", ["ddp", "dtensor"])
+def test_a_one_process_history_restores_on_4_ranks(tmp_path, model):
+    run = str(tmp_path / "run")
+    assert trained("none", 1, run, "--model", "plain", "--steps", "3") == [0, 1, 2]
+    restored_lines(launch("mpirun", 4, "restore", run, "2", "--model", model), 4, 2)
+
+
+@needs_mpi
 def test_mpi_aggregators_set_the_number_of_subfiles(tmp_path):
     run = str(tmp_path / "run")
     trained("mpirun", 4, run, "--model", "ddp", "--steps", "2", "--aggregators", "2")

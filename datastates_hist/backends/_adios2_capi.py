@@ -276,20 +276,13 @@ class FileReader:
             raise KeyError(f"variable {name!r} is not in {self.path}")
         return var
 
-    def get(self, name: str, pointer: int, start, count) -> None:
-        """Read the box ``start``/``count`` of ``name`` into contiguous memory at ``pointer``."""
+    def get(self, name: str, pointer: int, start, count, deferred: bool = False) -> None:
+        """Read the box ``start``/``count`` of ``name`` into contiguous memory at
+        ``pointer``; ``deferred``: at :meth:`perform_gets`, with the other deferred reads."""
         var = self._variable(name)
         rc = self.lib.adios2_set_selection(var, len(start), _sizes(start), _sizes(count))
         self.adios.check(rc, f"set_selection of {name}", self.path)
-        rc = self.lib.adios2_get(self.engine, var, c_void_p(pointer), MODE_SYNC)
-        self.adios.check(rc, f"get of {name}", self.path)
-
-    def get_deferred(self, name: str, pointer: int, start, count) -> None:
-        """Like :meth:`get`, but the read happens at :meth:`perform_gets` (all at once)."""
-        var = self._variable(name)
-        rc = self.lib.adios2_set_selection(var, len(start), _sizes(start), _sizes(count))
-        self.adios.check(rc, f"set_selection of {name}", self.path)
-        rc = self.lib.adios2_get(self.engine, var, c_void_p(pointer), MODE_DEFERRED)
+        rc = self.lib.adios2_get(self.engine, var, c_void_p(pointer), MODE_DEFERRED if deferred else MODE_SYNC)
         self.adios.check(rc, f"get of {name}", self.path)
 
     def perform_gets(self) -> None:

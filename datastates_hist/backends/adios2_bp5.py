@@ -149,8 +149,8 @@ class Adios2StepReader(StepReader):
         for name, out, start in requests:
             if out.size:
                 assert out.flags.c_contiguous and out.flags.writeable
-                self.file.get_deferred(name, out.ctypes.data, _file_shape(start) if start else (0,),
-                                       _file_shape(out.shape))
+                self.file.get(name, out.ctypes.data, _file_shape(start) if start else (0,),
+                              _file_shape(out.shape), deferred=True)
         self.file.perform_gets()
 
     def close(self):
