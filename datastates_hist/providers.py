@@ -109,6 +109,11 @@ class StateProvider(ABC):
     def load(self, obj: Any, state: StoredState, ctx: Context) -> Any:
         """Load what matches into ``obj`` (in place where it can) and return the result."""
 
+    def destinations(self, obj: Any, ctx: Context) -> dict[str, torch.Tensor]:
+        """Live CPU tensors of ``obj`` that restore may read straight into (by relative
+        name), before :meth:`load`; ``state.tensor`` then returns them. None by default."""
+        return {}
+
 
 def compare(expected: Iterable[Item], state: StoredState) -> Problems:
     """Missing, unexpected and mismatched tensors between expected items and a stored state."""

@@ -74,7 +74,9 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
                 raise RestoreMismatchError(step, problems.missing, problems.unexpected, problems.mismatched)
             restored = Restored(step=step, time=data.row.time, problems=problems, rng=rng_prefix in targets)
             if world_size == 1:  # one process takes whole tensors: read them in one batch
-                data.prefetch([n for n in data.records if any(_under(n, p) for p in targets)])
+                into = {f"{prefix}/{rel}": t for prefix, obj in targets.items()
+                        for rel, t in provider_for(obj).destinations(obj, ctx).items()}
+                data.prefetch([n for n in data.records if any(_under(n, p) for p in targets)], into)
             for prefix, obj in targets.items():
                 if prefix in objects:
                     result = provider_for(obj).load(obj, state_of(prefix), ctx)

@@ -20,7 +20,7 @@ import torch
 from .backends import get_backend
 from .backends.base import StepReader
 from .digest import checksum_bytes
-from .dtypes import storage_dtype, torch_dtype
+from .dtypes import dtype_name, storage_dtype, storage_torch_dtype, torch_dtype
 from .errors import CorruptionError, StepNotFoundError, StoreNotFoundError
 from .index import Index, StepRow
 from .items import TensorRecord
@@ -61,12 +61,14 @@ class StepData:
             return torch.from_numpy(self._prefetched.pop(name)).view(torch_dtype(rec.dtype))
         return self._tensor(rec, (0,) * len(rec.shape), rec.shape, verify)
 
-    def prefetch(self, names) -> None:
+    def prefetch(self, names, into: dict[str, torch.Tensor] | None = None) -> None:
         """Read these whole tensors together (one batch for the backend), checksums
-        verified; each later :meth:`read` of one of them returns it once."""
+        verified; each later :meth:`read` of one of them returns it once. ``into``:
+        tensors to read straight into (contiguous, CPU, of the stored dtype and shape)."""
+        into = into or {}
         wanted = [self.records[n] for n in names if n in self.records and n not in self._prefetched]
         wanted = [r for r in wanted if r.blocks is None and math.prod(r.shape)]
-        outs = [np.empty(r.shape, dtype=storage_dtype(torch_dtype(r.dtype))) for r in wanted]
+        outs = [self._destination(r, into.get(r.name)) for r in wanted]
         try:
             self.reader.read_many([(r.name, out, (0,) * len(r.shape)) for r, out in zip(wanted, outs)])
         except Exception as exc:
@@ -78,6 +80,13 @@ class StepData:
                     "its checksum: the stored data is damaged"
                 )
             self._prefetched[rec.name] = out
+
+    def _destination(self, rec: TensorRecord, live: torch.Tensor | None) -> np.ndarray:
+        sdtype = storage_dtype(torch_dtype(rec.dtype))
+        if (live is not None and tuple(live.shape) == rec.shape and dtype_name(live.dtype) == rec.dtype
+                and live.device.type == "cpu" and live.is_contiguous()):
+            return live.detach().view(storage_torch_dtype(live.dtype)).numpy()
+        return np.empty(rec.shape, dtype=sdtype)
 
     def read_box(self, name: str, start: tuple[int, ...], count: tuple[int, ...],
                  verify: bool = False) -> torch.Tensor:

@@ -57,6 +57,10 @@ class ModuleProvider(StateProvider):
                                 for n, t in self._tensors(module).items() if t.is_meta]
         return problems
 
+    def destinations(self, module, ctx):
+        return {n: t for n, t in self._tensors(module).items()
+                if t.device.type == "cpu" and t.is_contiguous() and not is_dtensor(t) and not t.is_meta}
+
     def load(self, module, state, ctx):
         live = self._tensors(module)
         with torch.no_grad():
@@ -66,7 +70,9 @@ class ModuleProvider(StateProvider):
                 if is_dtensor(live[name]):  # read only this rank's shard
                     live[name].to_local().copy_(state.tensor_like(name, live[name]).to_local())
                 else:
-                    live[name].copy_(state.tensor(name))
+                    stored = state.tensor(name)
+                    if stored.data_ptr() != live[name].data_ptr():  # not already read into it
+                        live[name].copy_(stored)
         return module
 
 
