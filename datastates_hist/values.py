@@ -35,10 +35,11 @@ def encode(value: Any, where: str) -> Any:
         return value if math.isfinite(value) else {"__float__": repr(value)}
     if isinstance(value, np.bool_):
         return bool(value)
-    if isinstance(value, list):
-        return [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, tuple):
-        return {"__tuple__": [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, (list, tuple)):
+        # all plain ints (RNG states: hundreds of them each write): as they are, unwalked
+        items = (list(value) if all(type(v) is int for v in value)
+                 else [encode(v, f"{where}[{i}]") for i, v in enumerate(value)])
+        return items if isinstance(value, list) else {"__tuple__": items}
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": base64.b64encode(bytes(value)).decode()}
     if isinstance(value, dict):
