@@ -33,7 +33,7 @@ from .errors import (
 from .flush import Flusher
 from .group import as_group
 from .index import Index, index_path
-from .items import TensorItem, ValueItem
+from .items import TensorItem, ValueItem, under
 from .providers import Context, provider_for
 from .restore import Restored, restore_step
 from .sharding import dtensor_item, is_dtensor, split_replicated
@@ -250,8 +250,8 @@ class Checkpointer:
     def _my_part(self, tensors: list[TensorItem]) -> list[TensorItem]:
         """Blocks of shards stay; tensors every rank holds are split among the ranks;
         this rank's own (RNG) tensors stay whole."""
-        own = [t for t in tensors if t.name.startswith(self._rng_prefix + "/")]
-        rest = [t for t in tensors if not t.name.startswith(self._rng_prefix + "/")]
+        own = [t for t in tensors if under(t.name, self._rng_prefix)]
+        rest = [t for t in tensors if not under(t.name, self._rng_prefix)]
         shards = [t for t in rest if t.global_shape is not None]
         replicated = [t for t in rest if t.global_shape is None]
         return own + shards + split_replicated(replicated, self.group.rank, self.group.size)
@@ -276,8 +276,7 @@ class Checkpointer:
             if ckpt.error is None:
                 commit_step(self._flush_index, self.backend_name, ckpt.step, writer, records, ckpt.values)
             return
-        prefix = self._rng_prefix
-        own = {key: {k: v for k, v in ckpt.values.get(key, {}).items() if k == prefix or k.startswith(prefix + "/")}
+        own = {key: {k: v for k, v in ckpt.values.get(key, {}).items() if under(k, self._rng_prefix)}
                for key in ("items", "objects")}
         commit_collective(self.group, self._flush_index, self.backend_name, ckpt, writer, records, own)
 

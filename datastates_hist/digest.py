@@ -9,6 +9,7 @@ through the host cache gets the same figures as one read whole.
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import torch
@@ -92,8 +93,6 @@ class Digest:
 
     def _scratch(self, x: np.ndarray) -> np.ndarray:
         """A reused buffer for the deviations of one chunk (one per thread and dtype)."""
-        import threading
-
         key = (threading.get_ident(), x.dtype)
         buf = Digest._buffers.get(key)
         if buf is None or buf.size < x.size:

@@ -12,6 +12,11 @@ from typing import Any
 import torch
 
 
+def under(name: str, prefix: str) -> bool:
+    """Whether item ``name`` is ``prefix`` itself or lies below it (``prefix/...``)."""
+    return name == prefix or name.startswith(prefix + "/")
+
+
 @dataclass
 class TensorItem:
     """One tensor to store under ``name``.

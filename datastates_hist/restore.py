@@ -15,6 +15,7 @@ from torch import nn
 
 from . import values as values_codec
 from .errors import RestoreMismatchError
+from .items import under
 from .providers import Context, Problems, StoredState, provider_for
 from .store import Store
 from .torch_providers import RNG, parameter_names
@@ -58,8 +59,8 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
                 targets[f"extra/{key}"] = obj
 
             def state_of(prefix: str) -> StoredState:
-                records = {_rel(n, prefix): r for n, r in data.records.items() if _under(n, prefix)}
-                vals = {_rel(n, prefix): v for n, v in items.items() if _under(n, prefix)}
+                records = {_rel(n, prefix): r for n, r in data.records.items() if under(n, prefix)}
+                vals = {_rel(n, prefix): v for n, v in items.items() if under(n, prefix)}
                 full = lambda rel: f"{prefix}/{rel}" if rel else prefix  # noqa: E731
                 return StoredState(records, vals, lambda rel: data.read(full(rel)),
                                    lambda rel, start, count: data.read_box(full(rel), start, count, verify=True))
@@ -76,7 +77,7 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
             if world_size == 1:  # one process takes whole tensors: read them in one batch
                 into = {f"{prefix}/{rel}": t for prefix, obj in targets.items()
                         for rel, t in provider_for(obj).destinations(obj, ctx).items()}
-                data.prefetch([n for n in data.records if any(_under(n, p) for p in targets)], into)
+                data.prefetch([n for n in data.records if any(under(n, p) for p in targets)], into)
             for prefix, obj in targets.items():
                 if prefix in objects:
                     result = provider_for(obj).load(obj, state_of(prefix), ctx)
@@ -108,10 +109,6 @@ def _rng_prefix(written_by: int, rank: int, world_size: int) -> str | None:
     if written_by != world_size:
         return None
     return "rng" if world_size == 1 else f"rng/rank{rank}"
-
-
-def _under(name: str, prefix: str) -> bool:
-    return name == prefix or name.startswith(prefix + "/")
 
 
 def _rel(name: str, prefix: str) -> str:

@@ -130,13 +130,12 @@ def _merge(name: str, found: list[tuple[int, TensorRecord]], parts: bool) -> Ten
                        "part": rank if parts else None, "stats": rec.stats})
     blocks.sort(key=lambda b: b["start"])
     _check_tiling(name, shape, blocks, [r for r, _ in found])
-    itemsize = first.nbytes // max(math.prod(first.shape), 1) if math.prod(first.shape) else 0
     whole = len(blocks) == 1
     checksum = blocks[0]["checksum"] if whole else "blocks:" + checksum_bytes(
         ",".join(b["checksum"] for b in blocks).encode())
     stats = combine_stats([(math.prod(b["count"]), b.pop("stats")) for b in blocks])
-    nbytes_ = sum(r.nbytes for _, r in found) if itemsize == 0 else math.prod(shape) * itemsize
-    return TensorRecord(name, first.dtype, tuple(shape), nbytes_, checksum, "raw", stats, blocks=blocks)
+    total = sum(r.nbytes for _, r in found)  # the blocks tile the tensor (checked above)
+    return TensorRecord(name, first.dtype, tuple(shape), total, checksum, "raw", stats, blocks=blocks)
 
 
 def _check_tiling(name: str, shape, blocks: list[dict], ranks: list[int]) -> None:

@@ -74,11 +74,7 @@ class StepData:
         except Exception as exc:
             raise CorruptionError(f"the tensors of step {self.row.step} in {self.run_dir} cannot be read: {exc}") from exc
         for rec, out in zip(wanted, outs):
-            if checksum_bytes(out.reshape(-1).view(np.uint8)) != rec.checksum:
-                raise CorruptionError(
-                    f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} does not match "
-                    "its checksum: the stored data is damaged"
-                )
+            self._check(rec, out, rec.checksum)
             self._prefetched[rec.name] = out
 
     def _destination(self, rec: TensorRecord, live: torch.Tensor | None) -> np.ndarray:
@@ -116,6 +112,13 @@ class StepData:
             raise KeyError(f"step {self.row.step} has no tensor {name!r}")
         return rec
 
+    def _check(self, rec: TensorRecord, data: np.ndarray, checksum: str, part: str = "") -> None:
+        if checksum_bytes(data.reshape(-1).view(np.uint8)) != checksum:
+            raise CorruptionError(
+                f"tensor {rec.name!r}{part} of step {self.row.step} in {self.run_dir} does not match "
+                "its checksum: the stored data is damaged"
+            )
+
     def _blocks(self, rec: TensorRecord) -> list[dict]:
         if rec.blocks is None:
             return [{"start": [0] * len(rec.shape), "count": list(rec.shape), "checksum": rec.checksum, "part": None}]
@@ -151,12 +154,8 @@ class StepData:
             # blocks in a rank's own file are stored alone; in a shared file, in place
             where = tuple(f - s for f, s in zip(first, bstart)) if b.get("part") is not None else first
             self.reader.read(rec.name, data, where, part=b.get("part"))
-            if check and checksum_bytes(data.reshape(-1).view(np.uint8)) != b["checksum"]:
-                part = "" if rec.blocks is None else f" (its block at {list(bstart)})"
-                raise CorruptionError(
-                    f"tensor {rec.name!r}{part} of step {self.row.step} in {self.run_dir} does not match "
-                    "its checksum: the stored data is damaged"
-                )
+            if check:
+                self._check(rec, data, b["checksum"], "" if rec.blocks is None else f" (its block at {list(bstart)})")
             if data is not out:
                 src = tuple(slice(l - f, h - f) for l, h, f in zip(lo, hi, first))
                 dst = tuple(slice(l - s, h - s) for l, h, s in zip(lo, hi, start))

@@ -58,8 +58,8 @@ class ModuleProvider(StateProvider):
         return problems
 
     def destinations(self, module, ctx):
-        return {n: t for n, t in self._tensors(module).items()
-                if t.device.type == "cpu" and t.is_contiguous() and not is_dtensor(t) and not t.is_meta}
+        # the store reads only into those it can (CPU, contiguous, of the stored dtype and shape)
+        return {n: t for n, t in self._tensors(module).items() if not is_dtensor(t)}
 
     def load(self, module, state, ctx):
         live = self._tensors(module)
@@ -94,6 +94,10 @@ class OptimizerProvider(StateProvider):
             out.append(names)
         return out
 
+    def _params(self, opt: torch.optim.Optimizer, ctx: Context) -> dict[str, torch.Tensor]:
+        """Parameter name -> parameter."""
+        return {n: p for g, names in zip(opt.param_groups, self._names(opt, ctx)) for p, n in zip(g["params"], names)}
+
     def items(self, opt, ctx):
         groups = []
         for group, names in zip(opt.param_groups, self._names(opt, ctx)):
@@ -122,8 +126,7 @@ class OptimizerProvider(StateProvider):
         saved = {n for g in stored["groups"] for n in g["params"]}
         problems.missing += sorted(f"param {n}" for n in have - saved)
         problems.unexpected += sorted(f"param {n}" for n in saved - have)
-        params = {n: p for g, names in zip(opt.param_groups, self._names(opt, ctx))
-                  for p, n in zip(g["params"], names)}
+        params = self._params(opt, ctx)
         for name, rec in state.records.items():
             pname = name.split("/")[1]
             p = params.get(pname)
@@ -137,8 +140,7 @@ class OptimizerProvider(StateProvider):
         scalars = state.values.get("state", {})
         problems = self.check(opt, state, ctx)
         bad = {n for n, _, _ in problems.mismatched}
-        params = {n: p for g, names in zip(opt.param_groups, self._names(opt, ctx))
-                  for p, n in zip(g["params"], names)}
+        params = self._params(opt, ctx)
         by_param: dict[str, list[tuple[str, str]]] = {}  # param name -> [(state key, record name)]
         for rname in state.records:
             _, pname, key = rname.split("/", 2)

@@ -225,14 +225,10 @@ class FileWriter:
         """Copy every block put so far into ADIOS2's buffers; their memory may then be reused."""
         self.adios.check(self.lib.adios2_perform_puts(self.engine), "perform_puts", self.path)
 
-    def perform_puts(self) -> None:
-        """Copy every block put so far into ADIOS2's buffers; their memory may then be reused."""
-        self.adios.check(self.lib.adios2_perform_puts(self.engine), "perform_puts", self.path)
-
     def write_out(self) -> None:
         """Write every block put so far to the file; their memory may then be reused.
         (PerformDataWrite alone does not consume blocks kept by pointer: PerformPuts first.)"""
-        self.adios.check(self.lib.adios2_perform_puts(self.engine), "perform_puts", self.path)
+        self.perform_puts()
         rc = self.lib.adios2_perform_data_write(self.engine)
         self.adios.check(rc, "perform_data_write", self.path)
 

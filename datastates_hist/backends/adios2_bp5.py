@@ -31,6 +31,10 @@ def _file_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(shape) if len(shape) else (1,)
 
 
+def _file_start(start: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(start) if len(start) else (0,)
+
+
 class Adios2StepWriter(StagedStepWriter):
     """One BP5 file of one step, written by this process alone."""
 
@@ -52,7 +56,7 @@ class Adios2StepWriter(StagedStepWriter):
             return
         assert array.flags.c_contiguous
         count = _file_shape(array.shape)
-        self.file.put(name, array.ctypes.data, _file_shape(start) if start else (0,), count)
+        self.file.put(name, array.ctypes.data, _file_start(start), count)
 
     def write_out(self):
         self.file.write_out()
@@ -109,9 +113,6 @@ class Adios2CollectiveWriter(Adios2StepWriter):
         if self.root:
             fsync_tree(self.tmp)
 
-    def publish(self):
-        return super().publish()
-
     def abort(self):
         try:
             self.close_files()  # collective: every rank aborts together
@@ -141,7 +142,7 @@ class Adios2StepReader(StepReader):
         if out.size == 0:
             return
         assert out.flags.c_contiguous and out.flags.writeable
-        self.file.get(name, out.ctypes.data, _file_shape(start) if start else (0,), _file_shape(out.shape))
+        self.file.get(name, out.ctypes.data, _file_start(start), _file_shape(out.shape))
 
     def read_many(self, requests):
         """Every ``(name, out, start)`` read in one ``PerformGets``: ADIOS2 then plans
@@ -149,7 +150,7 @@ class Adios2StepReader(StepReader):
         for name, out, start in requests:
             if out.size:
                 assert out.flags.c_contiguous and out.flags.writeable
-                self.file.get(name, out.ctypes.data, _file_shape(start) if start else (0,),
+                self.file.get(name, out.ctypes.data, _file_start(start),
                               _file_shape(out.shape), deferred=True)
         self.file.perform_gets()
 

@@ -91,8 +91,8 @@ class StagedStepWriter(StepWriter):
         fsync_tree(self.tmp)
 
     def publish(self) -> str:
-        """Rename the sealed unit into place; the location to record in the index."""
-        publish(self.tmp, self.final)
+        """Rename the sealed (durable) unit into place; the location to record in the index."""
+        rename_into_place(self.tmp, self.final)
         return os.path.basename(self.final)
 
     def abort(self) -> None:
@@ -207,9 +207,8 @@ def remove_tree(path: str) -> None:
         pass  # removed meanwhile (by another rank)
 
 
-def publish(tmp_path: str, final_path: str) -> None:
-    """Make ``tmp_path`` durable and rename it to ``final_path`` atomically."""
-    fsync_tree(tmp_path)
+def rename_into_place(tmp_path: str, final_path: str) -> None:
+    """Rename the durable ``tmp_path`` to ``final_path`` atomically, and make the rename durable."""
     if os.path.exists(final_path):  # left by a crash before its step was committed
         remove_tree(final_path)
     os.rename(tmp_path, final_path)

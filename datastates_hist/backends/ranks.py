@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from .base import StepReader, StepWriter, fsync_dir, publish, remove_tree, step_stem
+from .base import StepReader, StepWriter, remove_tree, rename_into_place, step_stem
 
 RANKS_SUFFIX = ".ranks"
 
@@ -24,7 +24,6 @@ def rank_file(rank: int, suffix: str) -> str:
 
 class RankFilesWriter(StepWriter):
     def __init__(self, backend, steps_dir: str, step: int, group):
-        self.group = group
         self.final = os.path.join(steps_dir, step_stem(step) + RANKS_SUFFIX)
         self.tmp = self.final + ".partial"
         os.makedirs(self.tmp, exist_ok=True)
@@ -44,8 +43,7 @@ class RankFilesWriter(StepWriter):
         self.file.publish()  # its final name inside the folder, which is still partial
 
     def publish(self) -> str:
-        fsync_dir(self.tmp)
-        publish(self.tmp, self.final)
+        rename_into_place(self.tmp, self.final)  # every rank sealed (fsynced) its file and its rename
         return os.path.basename(self.final)
 
     def finish(self, manifest: bytes) -> str:
