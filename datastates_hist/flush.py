@@ -1,7 +1,8 @@
 """The flush: move snapshot pieces from the host cache into a backend, then commit.
 
 Runs on its own thread. For each piece it updates the tensor's checksum and
-statistics and puts it to the step writer (by pointer, no copy). The cache
+statistics (unless the snapshot did, for host tensors) and puts it to the step
+writer (by pointer, no copy). The cache
 space is given back after the writer has written it out: when the snapshot
 asks for space, or when the step is finished. At the end of a checkpoint,
 :func:`commit.commit_step` makes the data durable and then records the step
@@ -106,7 +107,8 @@ class Flusher:
         t = item.tensor
         sdtype = storage_dtype(t.dtype)
         if piece.index not in step.digests:
-            step.digests[piece.index] = Digest()
+            # a host tensor's digest comes with its pieces: the snapshot adds them as it copies
+            step.digests[piece.index] = piece.digest or Digest()
             block = {} if item.global_shape is None else {"block": (item.global_shape, item.offset)}
             step.writer.define(item.name, sdtype, tuple(t.shape), dtype_name(t.dtype), **block)
         digest = step.digests[piece.index]
@@ -117,7 +119,8 @@ class Flusher:
             if not piece.owner or piece.at:  # one of several small tensors in the region
                 raw = raw[piece.at:piece.at + max(math.prod(piece.count), 1) * sdtype.itemsize]
             array = raw.numpy().view(sdtype).reshape(piece.count)
-            digest.update(array, t.dtype)
+            if piece.digest is None:
+                digest.update(array, t.dtype)
             step.writer.put(item.name, array, piece.start)
             if piece.owner:
                 self.unwritten.append(piece.region)

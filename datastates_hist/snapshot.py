@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .cache import HostCache, Region, _aligned
+from .digest import Digest
 from .dtypes import storage_dtype, storage_torch_dtype
 from .items import TensorItem
 
@@ -62,6 +63,7 @@ class Piece:
     copied: Any = None  # CUDA event after the copy
     at: int = 0  # byte offset of this piece in the region (small tensors share one)
     owner: bool = True  # the piece whose write gives the region back
+    digest: Digest | None = None  # the tensor's running digest, this piece already added
 
 
 def pieces(shape: tuple[int, ...], itemsize: int, max_bytes: int) -> Iterator[tuple[tuple, tuple]]:
@@ -182,12 +184,15 @@ class Snapshotter:
         for (index, t), at, n in zip(small, offsets, sizes):
             src = t.view(storage_torch_dtype(t.dtype)) if t.dim() else t.reshape(1).view(storage_torch_dtype(t.dtype))
             dst = buf[at:at + n].view(src.dtype).view(src.shape)
+            digest = None
             if src.is_cuda:
                 with torch.cuda.stream(self.stream):
                     dst.copy_(src, non_blocking=True)
             else:
-                np.copyto(dst.numpy(), src.numpy())
-            batch.append(Piece(ckpt, index, region, (0,) * t.dim(), tuple(t.shape), True, at=at, owner=False))
+                digest = Digest()
+                digest.copy_update(dst.numpy(), src.numpy(), t.dtype)
+            batch.append(Piece(ckpt, index, region, (0,) * t.dim(), tuple(t.shape), True, at=at,
+                               owner=False, digest=digest))
         batch[-1].owner = True
         event = self._mark(cuda)
         for piece in batch:
@@ -199,6 +204,7 @@ class Snapshotter:
         src = t.view(storage_torch_dtype(t.dtype)) if t.dim() else t.reshape(1).view(storage_torch_dtype(t.dtype))
         itemsize = storage_dtype(t.dtype).itemsize
         boxes = list(pieces(tuple(t.shape), itemsize, self.piece_bytes)) if t.numel() else []
+        digest = None if t.is_cuda else Digest()
         for k, (start, count) in enumerate(boxes):
             nbytes = int(np.prod(count)) * itemsize if count else itemsize
             region = self.cache.alloc(
@@ -214,7 +220,8 @@ class Snapshotter:
                     dst.copy_(box, non_blocking=True)
                     event = self._mark(True)
             else:  # numpy: no OpenMP team competing with the training thread's
-                np.copyto(dst.numpy(), box.numpy())
-            self.out.put(("piece", Piece(ckpt, index, region, start, count, k == len(boxes) - 1, event)))
+                digest.copy_update(dst.numpy(), box.numpy(), t.dtype)
+            self.out.put(("piece", Piece(ckpt, index, region, start, count, k == len(boxes) - 1, event,
+                                         digest=digest)))
         if not boxes:
             self.out.put(("piece", Piece(ckpt, index, None, (), tuple(t.shape), True)))
