@@ -50,6 +50,7 @@ class Flusher:
         self.commit = commit
         self.inbox: queue.Queue = queue.Queue()
         self.unwritten: list = []  # regions put to the writer, not yet written out
+        self.unwritten_bytes = 0
         self.flush_seconds = 0.0
         self.thread = threading.Thread(target=self._run, name="dh-flush", daemon=True)
         self.thread.start()
@@ -101,6 +102,7 @@ class Flusher:
         for region in self.unwritten:
             self.cache.free(region)
         self.unwritten.clear()
+        self.unwritten_bytes = 0
 
     def _put(self, step: _Step, piece: Piece) -> None:
         item = step.ckpt.tensors[piece.index]
@@ -124,6 +126,10 @@ class Flusher:
             step.writer.put(item.name, array, piece.start)
             if piece.owner:
                 self.unwritten.append(piece.region)
+                self.unwritten_bytes += piece.region.nbytes
+                if self.unwritten_bytes * 2 >= self.cache.capacity and step.writer.write_out_early:
+                    step.writer.write_out()  # the snapshot fills the other half meanwhile
+                    self._release(step)
         if piece.last:
             stats = digest.stats()
             if self.refuse_nonfinite and stats["nonfinite"]:

@@ -72,11 +72,11 @@ def _signatures(lib: ctypes.CDLL) -> None:
         "adios2_begin_step": ([c_void_p, c_int, ctypes.c_float, POINTER(c_int)], c_int),
         "adios2_put": ([c_void_p, c_void_p, c_void_p, c_int], c_int),
         "adios2_perform_puts": ([c_void_p], c_int),
-        "adios2_perform_data_write": ([c_void_p], c_int),
         "adios2_get": ([c_void_p, c_void_p, c_void_p, c_int], c_int),
         "adios2_perform_gets": ([c_void_p], c_int),
         "adios2_end_step": ([c_void_p], c_int),
         "adios2_close": ([c_void_p], c_int),
+        "adios2_set_step_selection": ([c_void_p, c_size_t, c_size_t], c_int),
     }
     for name, (args, res) in table.items():
         fn = getattr(lib, name)
@@ -213,7 +213,8 @@ class FileWriter:
     def put(self, name: str, pointer: int, start, count) -> None:
         """Put one block (``start``/``count`` in the global array) read from ``pointer``.
 
-        The memory must stay valid and unchanged until :meth:`write_out` returns.
+        The memory must stay valid and unchanged until :meth:`perform_puts`,
+        :meth:`next_step` or :meth:`close` returns.
         """
         var = self.variables[name]
         rc = self.lib.adios2_set_selection(var, len(start), _sizes(start), _sizes(count))
@@ -225,12 +226,13 @@ class FileWriter:
         """Copy every block put so far into ADIOS2's buffers; their memory may then be reused."""
         self.adios.check(self.lib.adios2_perform_puts(self.engine), "perform_puts", self.path)
 
-    def write_out(self) -> None:
-        """Write every block put so far to the file; their memory may then be reused.
-        (PerformDataWrite alone does not consume blocks kept by pointer: PerformPuts first.)"""
-        self.perform_puts()
-        rc = self.lib.adios2_perform_data_write(self.engine)
-        self.adios.check(rc, "perform_data_write", self.path)
+    def next_step(self) -> None:
+        """End this ADIOS2 step, which writes every block put so far straight from its
+        memory (no copy into ADIOS2's buffers), and begin the next one."""
+        self.adios.check(self.lib.adios2_end_step(self.engine), "end_step", self.path)
+        status = c_int(0)
+        rc = self.lib.adios2_begin_step(self.engine, STEP_MODE_APPEND, -1.0, ctypes.byref(status))
+        self.adios.check(rc, "begin_step", self.path)
 
     def close(self) -> None:
         """End the step and close the file (writes the metadata).
@@ -272,10 +274,13 @@ class FileReader:
             raise KeyError(f"variable {name!r} is not in {self.path}")
         return var
 
-    def get(self, name: str, pointer: int, start, count, deferred: bool = False) -> None:
-        """Read the box ``start``/``count`` of ``name`` into contiguous memory at
-        ``pointer``; ``deferred``: at :meth:`perform_gets`, with the other deferred reads."""
+    def get(self, name: str, pointer: int, start, count, deferred: bool = False, step: int = 0) -> None:
+        """Read the box ``start``/``count`` of ``name`` into contiguous memory at ``pointer``,
+        from the ``step``-th of the ADIOS2 steps that ``name`` was written in; ``deferred``:
+        at :meth:`perform_gets`, with the other deferred reads."""
         var = self._variable(name)
+        rc = self.lib.adios2_set_step_selection(var, step, 1)
+        self.adios.check(rc, f"set_step_selection of {name}", self.path)
         rc = self.lib.adios2_set_selection(var, len(start), _sizes(start), _sizes(count))
         self.adios.check(rc, f"set_selection of {name}", self.path)
         rc = self.lib.adios2_get(self.engine, var, c_void_p(pointer), MODE_DEFERRED if deferred else MODE_SYNC)

@@ -5,6 +5,14 @@ tensor streamed through the host cache in pieces is written as several blocks
 of that array. Scalars are stored with shape ``(1,)``; zero-size tensors are
 recorded in the manifest only. The manifest is the uint8 variable
 ``__manifest__``.
+
+A checkpoint is one ADIOS2 step, unless the host cache fills up before it is
+written: a writer of its own file then ends the ADIOS2 step, which writes the
+blocks put so far straight from the cache, and goes on in the next one (a
+handful of steps per checkpoint larger than the cache). A tensor whose blocks
+lie in several ADIOS2 steps is listed, with its blocks' steps, in the JSON
+variable ``__blocks__``; every other variable is read from the step it first
+appears in.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from . import _adios2_capi as capi
 from .base import Backend, StagedStepWriter, StepReader, fsync_tree, remove_tree, step_stem
 
 MANIFEST = "__manifest__"
+BLOCKS = "__blocks__"
 SUFFIX = ".bp"
 
 # Measured choices (docs/performance.md): no per-step profiling file; the
@@ -45,6 +54,10 @@ class Adios2StepWriter(StagedStepWriter):
         self.adios = capi.Adios(comm)
         self.file = capi.FileWriter(self.adios, self.tmp, parameters)
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.substep = 0  # the ADIOS2 step being written
+        self.blocks: dict[str, list] = {}  # name -> [[substep, start, count], ...]
+        self.unwritten = False  # blocks put in this ADIOS2 step
+        self.kept: list[bytes] = []
 
     def define(self, name, dtype, shape, real_dtype, block=None):
         self.shapes[name] = _file_shape(shape)
@@ -57,14 +70,29 @@ class Adios2StepWriter(StagedStepWriter):
         assert array.flags.c_contiguous
         count = _file_shape(array.shape)
         self.file.put(name, array.ctypes.data, _file_start(start), count)
+        self.blocks.setdefault(name, []).append([self.substep, list(_file_start(start)), list(count)])
+        self.unwritten = True
 
     def write_out(self):
-        self.file.write_out()
+        # Ending the ADIOS2 step writes the blocks from the cache as they are; PerformPuts
+        # (what a mid-step write needs) would first copy them into fresh buffers: 2-3x slower.
+        if self.unwritten:
+            self.file.next_step()
+            self.substep += 1
+            self.unwritten = False
+
+    def _put_bytes(self, name: str, data: bytes) -> None:
+        self.kept.append(data)  # put by pointer: alive until the file is closed
+        raw = np.frombuffer(data, dtype=np.uint8)
+        self.file.define(name, raw.dtype, raw.shape)
+        self.file.put(name, raw.ctypes.data, (0,), raw.shape)
 
     def write_manifest(self, manifest: bytes) -> None:
-        raw = np.frombuffer(manifest, dtype=np.uint8)
-        self.file.define(MANIFEST, raw.dtype, raw.shape)
-        self.file.put(MANIFEST, raw.ctypes.data, (0,), raw.shape)
+        split = {name: blocks for name, blocks in self.blocks.items()
+                 if len({b[0] for b in blocks}) > 1}
+        if split:
+            self._put_bytes(BLOCKS, json.dumps(split, separators=(",", ":")).encode())
+        self._put_bytes(MANIFEST, manifest)
 
     def close_files(self):
         try:
@@ -84,6 +112,8 @@ class Adios2CollectiveWriter(Adios2StepWriter):
     closing are collective.
     """
 
+    write_out_early = False  # its write_out copies the blocks: only when the cache is full
+
     def __init__(self, final: str, parameters: dict[str, str], comm):
         super().__init__(final, parameters, comm)
         self.offsets: dict[str, tuple[int, ...]] = {}
@@ -102,8 +132,8 @@ class Adios2CollectiveWriter(Adios2StepWriter):
         super().put(name, array, start)
 
     def write_out(self):
-        # BP5's PerformDataWrite is collective and ranks ask for space at different
-        # times: hand the blocks to ADIOS2's own buffers instead (a local copy).
+        # Ending a step is collective and ranks ask for space at different times:
+        # hand the blocks to ADIOS2's own buffers instead (a local copy).
         self.file.perform_puts()
 
     def seal(self, manifest):
@@ -131,18 +161,27 @@ class Adios2StepReader(StepReader):
         self.path = path
         self.adios = capi.Adios()
         self.file = capi.FileReader(self.adios, path)
+        self.split: dict[str, list] = {}
+        try:
+            split = json.loads(self._bytes(BLOCKS))
+        except KeyError:  # every variable in one ADIOS2 step
+            split = {}
+        for name, blocks in split.items():
+            # reads select a variable's steps counting only those it was written in
+            steps = sorted({b[0] for b in blocks})
+            self.split[name] = [(steps.index(step), start, count) for step, start, count in blocks]
 
-    def manifest(self) -> bytes:
-        (n,) = self.file.shape(MANIFEST)
+    def _bytes(self, name: str) -> bytes:
+        (n,) = self.file.shape(name)
         out = np.empty(n, dtype=np.uint8)
-        self.file.get(MANIFEST, out.ctypes.data, (0,), (n,))
+        self.file.get(name, out.ctypes.data, (0,), (n,))
         return out.tobytes()
 
+    def manifest(self) -> bytes:
+        return self._bytes(MANIFEST)
+
     def read(self, name, out, start, part=None):
-        if out.size == 0:
-            return
-        assert out.flags.c_contiguous and out.flags.writeable
-        self.file.get(name, out.ctypes.data, _file_start(start), _file_shape(out.shape))
+        self.read_many([(name, out, start)])
 
     def read_many(self, requests):
         """Every ``(name, out, start)`` read in one ``PerformGets``: ADIOS2 then plans
@@ -150,9 +189,29 @@ class Adios2StepReader(StepReader):
         for name, out, start in requests:
             if out.size:
                 assert out.flags.c_contiguous and out.flags.writeable
-                self.file.get(name, out.ctypes.data, _file_start(start),
-                              _file_shape(out.shape), deferred=True)
+                if name in self.split:
+                    self._read_split(name, out, start)
+                else:
+                    self.file.get(name, out.ctypes.data, _file_start(start), _file_shape(out.shape),
+                                  deferred=True)
         self.file.perform_gets()
+
+    def _read_split(self, name, out, start):
+        """Read a box of a tensor whose blocks lie in several ADIOS2 steps, block by block."""
+        view = out.reshape(_file_shape(out.shape))
+        lo = _file_start(start)
+        hi = tuple(s + n for s, n in zip(lo, view.shape))
+        for step, bstart, bcount in self.split[name]:
+            a = tuple(max(x, y) for x, y in zip(lo, bstart))
+            b = tuple(min(x, y + n) for x, y, n in zip(hi, bstart, bcount))
+            if any(x >= y for x, y in zip(a, b)):
+                continue
+            dst = view[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, lo))]
+            part = dst if dst.flags.c_contiguous else np.empty(dst.shape, dtype=dst.dtype)
+            count = tuple(y - x for x, y in zip(a, b))
+            self.file.get(name, part.ctypes.data, a, count, step=step)
+            if part is not dst:
+                dst[...] = part
 
     def close(self):
         self.file.close()

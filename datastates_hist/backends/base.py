@@ -9,7 +9,9 @@ A backend stores each step as one unit (a file or a folder) inside the run's
    ``writer.put(name, array, start)`` for each of its pieces. ``array`` is a
    contiguous numpy view into the host cache; it must stay untouched until
    the next ``writer.write_out()`` or ``writer.finish()`` returns.
-3. ``writer.write_out()`` when the host cache needs its space back.
+3. ``writer.write_out()`` when the host cache needs its space back, and, if
+   ``writer.write_out_early`` is true (the default), whenever half of the
+   cache waits to be written, so that writing overlaps the snapshot.
 4. ``location = writer.finish(manifest)``: stores the manifest (bytes), makes
    every byte durable (fsync), and moves the unit to its final name.
    Only then does the index commit the step.
@@ -52,6 +54,8 @@ class StepWriter(ABC):
 
     @abstractmethod
     def put(self, name: str, array: np.ndarray, start: tuple[int, ...]) -> None: ...
+
+    write_out_early = True  # False where write_out costs more than waiting (a copy)
 
     @abstractmethod
     def write_out(self) -> None: ...
