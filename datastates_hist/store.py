@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 from typing import Any
 
@@ -30,6 +31,28 @@ STEPS_DIR = "steps"
 
 def steps_dir(run_dir: str) -> str:
     return os.path.join(run_dir, STEPS_DIR)
+
+
+HUGE_PAGE = 2 << 20
+
+
+def fresh_arrays(specs: list[tuple[tuple[int, ...], np.dtype]]):
+    """Empty arrays of these ``(shape, dtype)``, carved from one anonymous mapping that
+    asks for transparent huge pages: the first write of fresh memory, a page fault per
+    4 KiB page otherwise, took 3-4x longer than the read itself (docs/performance.md)."""
+    sizes = [math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in specs]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += (n + 63) // 64 * 64
+    if total < HUGE_PAGE:
+        yield from (np.empty(shape, dtype) for shape, dtype in specs)
+        return
+    buf = mmap.mmap(-1, total)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    for (shape, dtype), at in zip(specs, offsets):
+        yield np.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=at).reshape(shape)
 
 
 class StepData:
@@ -68,7 +91,9 @@ class StepData:
         into = into or {}
         wanted = [self.records[n] for n in names if n in self.records and n not in self._prefetched]
         wanted = [r for r in wanted if r.blocks is None and math.prod(r.shape)]
-        outs = [self._destination(r, into.get(r.name)) for r in wanted]
+        outs = [self._live_destination(r, into.get(r.name)) for r in wanted]
+        fresh = fresh_arrays([(r.shape, storage_dtype(torch_dtype(r.dtype))) for r, o in zip(wanted, outs) if o is None])
+        outs = [o if o is not None else next(fresh) for o in outs]
         try:
             self.reader.read_many([(r.name, out, (0,) * len(r.shape)) for r, out in zip(wanted, outs)])
         except Exception as exc:
@@ -77,12 +102,12 @@ class StepData:
             self._check(rec, out, rec.checksum)
             self._prefetched[rec.name] = out
 
-    def _destination(self, rec: TensorRecord, live: torch.Tensor | None) -> np.ndarray:
-        sdtype = storage_dtype(torch_dtype(rec.dtype))
+    def _live_destination(self, rec: TensorRecord, live: torch.Tensor | None) -> np.ndarray | None:
+        """``live`` as the array to read ``rec`` into, if it can be."""
         if (live is not None and tuple(live.shape) == rec.shape and dtype_name(live.dtype) == rec.dtype
                 and live.device.type == "cpu" and live.is_contiguous()):
             return live.detach().view(storage_torch_dtype(live.dtype)).numpy()
-        return np.empty(rec.shape, dtype=sdtype)
+        return None
 
     def read_box(self, name: str, start: tuple[int, ...], count: tuple[int, ...],
                  verify: bool = False) -> torch.Tensor:
