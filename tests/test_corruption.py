@@ -350,3 +350,28 @@ def test_cli_verify_names_step_and_tensor(tmp_path, capsys):
     assert "2  " in out.out and "optim/state/1.bias/exp_avg_sq" in out.out and "1 problem(s)" in out.err
     assert cli_main("verify", run_dir, "9") == 3
     assert "step 9 is not committed" in capsys.readouterr().err
+
+
+def test_damaged_optimizer_state_is_named_at_restore(tmp_path, backend):
+    """Optimizer state is read into fresh memory or mapped from the file (HDF5): either way
+    a flipped bit or a truncated file is an error naming the step, never a crash."""
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    where = locate(run_dir, stored_tensors(run_dir))
+    path, at, _ = where[1, "optim/state/0.weight/exp_avg"]
+    original = open(path, "rb").read()
+
+    def restore_step_1():
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 16))
+        with dh.Checkpointer(run_dir) as ckpt:
+            ckpt.restore(1, model=model, optimizer=torch.optim.Adam(model.parameters()))
+
+    flip(path, at + 100, 3)
+    with pytest.raises(dh.CorruptionError, match=r"optim/state/0.weight/exp_avg.*step 1|step 1.*optim/state/0.weight/exp_avg"):
+        restore_step_1()
+    with open(path, "wb") as f:
+        f.write(original)
+    restore_step_1()
+    open(path, "r+b").truncate(at + 100)
+    with pytest.raises(dh.CorruptionError, match="step 1|000000000001"):
+        restore_step_1()
