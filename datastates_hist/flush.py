@@ -127,8 +127,8 @@ class Flusher:
             if piece.owner:
                 self.unwritten.append(piece.region)
                 self.unwritten_bytes += piece.region.nbytes
-                if self.unwritten_bytes * 2 >= self.cache.capacity and step.writer.write_out_early:
-                    step.writer.write_out()  # the snapshot fills the other half meanwhile
+                if self.unwritten_bytes * 4 >= self.cache.capacity and step.writer.write_out_early:
+                    step.writer.write_out()  # the snapshot fills the rest of the cache meanwhile
                     self._release(step)
         if piece.last:
             stats = digest.stats()

@@ -10,8 +10,8 @@ A backend stores each step as one unit (a file or a folder) inside the run's
    contiguous numpy view into the host cache; it must stay untouched until
    the next ``writer.write_out()`` or ``writer.finish()`` returns.
 3. ``writer.write_out()`` when the host cache needs its space back, and, if
-   ``writer.write_out_early`` is true (the default), whenever half of the
-   cache waits to be written, so that writing overlaps the snapshot.
+   ``writer.write_out_early`` is true (the default), whenever a quarter of
+   the cache waits to be written, so that writing overlaps the snapshot.
 4. ``location = writer.finish(manifest)``: stores the manifest (bytes), makes
    every byte durable (fsync), and moves the unit to its final name.
    Only then does the index commit the step.
