@@ -436,8 +436,9 @@ def figure(report: dict, path: str) -> None:
         ax.set_xticks([k + width * (len(configs) - 1) / 2 for k in range(len(targets))], targets)
         ax.set_ylabel("median step time (ms)")
         ax.set_title(f"{title}: checkpoint every step (ratio to {configs[0]})")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)  # below the bars
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=120)
 
 
