@@ -57,10 +57,9 @@ class Digest:
         numpy, not torch, does the arithmetic: it runs on this thread alone, where torch
         would start an OpenMP team that competes with the training thread's.
         """
-        self.hasher.update(raw.reshape(-1).view(np.uint8))
         flat = raw.reshape(-1)
         for i in range(0, flat.size, CHUNK):
-            self._add(as_float(flat[i:i + CHUNK], dtype))
+            self._add_chunk(flat[i:i + CHUNK], dtype)
 
     def copy_update(self, dst: np.ndarray, src: np.ndarray, dtype: torch.dtype) -> None:
         """Copy ``src`` into ``dst`` (same shape, storage dtype) and add it, chunk by
@@ -72,10 +71,12 @@ class Digest:
             return
         out, flat = dst.reshape(-1), src.reshape(-1)
         for i in range(0, flat.size, CHUNK):
-            chunk = out[i:i + CHUNK]
-            np.copyto(chunk, flat[i:i + CHUNK])
-            self.hasher.update(chunk.view(np.uint8))
-            self._add(as_float(chunk, dtype))
+            np.copyto(out[i:i + CHUNK], flat[i:i + CHUNK])
+            self._add_chunk(out[i:i + CHUNK], dtype)
+
+    def _add_chunk(self, chunk: np.ndarray, dtype: torch.dtype) -> None:
+        self.hasher.update(chunk.view(np.uint8))  # xxh3 streams: chunk by chunk is the same digest
+        self._add(as_float(chunk, dtype))
 
     def _add(self, x: np.ndarray) -> None:
         n = x.size

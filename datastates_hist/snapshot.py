@@ -85,6 +85,11 @@ def pieces(shape: tuple[int, ...], itemsize: int, max_bytes: int) -> Iterator[tu
             yield (i,) + start, (1,) + count
 
 
+def _storage_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as its storage dtype (bfloat16 as uint16, ...); a scalar as shape (1,)."""
+    return (t if t.dim() else t.reshape(1)).view(storage_torch_dtype(t.dtype))
+
+
 def _box(t: torch.Tensor, start: tuple, count: tuple) -> torch.Tensor:
     """The view of ``t`` for a box from :func:`pieces`."""
     for dim, (s, c) in enumerate(zip(start, count)):
@@ -182,7 +187,7 @@ class Snapshotter:
         buf = self.cache.view(region)
         batch = []
         for (index, t), at, n in zip(small, offsets, sizes):
-            src = t.view(storage_torch_dtype(t.dtype)) if t.dim() else t.reshape(1).view(storage_torch_dtype(t.dtype))
+            src = _storage_view(t)
             dst = buf[at:at + n].view(src.dtype).view(src.shape)
             digest = None
             if src.is_cuda:
@@ -201,7 +206,7 @@ class Snapshotter:
         return []
 
     def _copy_tensor(self, ckpt: PendingCheckpoint, index: int, t: torch.Tensor, cuda: bool) -> None:
-        src = t.view(storage_torch_dtype(t.dtype)) if t.dim() else t.reshape(1).view(storage_torch_dtype(t.dtype))
+        src = _storage_view(t)
         itemsize = storage_dtype(t.dtype).itemsize
         boxes = list(pieces(tuple(t.shape), itemsize, self.piece_bytes)) if t.numel() else []
         digest = None if t.is_cuda else Digest()

@@ -20,6 +20,7 @@ import torch
 
 from .backends import get_backend
 from .backends.base import StepReader
+from .cache import _aligned
 from .digest import checksum_bytes
 from .dtypes import dtype_name, storage_dtype, storage_torch_dtype, torch_dtype
 from .errors import CorruptionError, StepNotFoundError, StoreNotFoundError
@@ -44,7 +45,7 @@ def fresh_arrays(specs: list[tuple[tuple[int, ...], np.dtype]]):
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
-        total += (n + 63) // 64 * 64
+        total += _aligned(n)
     if total < HUGE_PAGE:
         yield from (np.empty(shape, dtype) for shape, dtype in specs)
         return

@@ -53,16 +53,14 @@ class Adios2StepWriter(StagedStepWriter):
         self.root = root
         self.adios = capi.Adios(comm)
         self.file = capi.FileWriter(self.adios, self.tmp, parameters)
-        self.shapes: dict[str, tuple[int, ...]] = {}
         self.substep = 0  # the ADIOS2 step being written
         self.blocks: dict[str, list] = {}  # name -> [[substep, start, count], ...]
         self.unwritten = False  # blocks put in this ADIOS2 step
         self.kept: list[bytes] = []
 
     def define(self, name, dtype, shape, real_dtype, block=None):
-        self.shapes[name] = _file_shape(shape)
         if 0 not in shape:
-            self.file.define(name, np.dtype(dtype), self.shapes[name])
+            self.file.define(name, np.dtype(dtype), _file_shape(shape))
 
     def put(self, name, array, start):
         if array.size == 0:
