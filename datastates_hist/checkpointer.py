@@ -26,7 +26,7 @@ from . import values as values_codec
 from .backends import get_backend, make_backend
 from .cache import HostCache
 from .commit import commit_collective, commit_step, remove_uncommitted
-from .dtypes import storage_dtype
+from .dtypes import STORABLE, storage_dtype
 from .errors import (
     CheckpointError, CorruptionError, StepOrderError, StoreLockedError,
 )
@@ -180,6 +180,8 @@ class Checkpointer:
                 f"steps only grow (to branch from an earlier step, call truncate(after=...) first)"
             )
         ckpt = self._collect(step, model, optimizer, extra)
+        if not (ckpt.tensors and ckpt.tensors[0].volatile):  # volatile ones come first
+            ckpt.volatile_done.set()  # nothing for the next forward to wait for
         self._wait_snapshot()
         self._start_threads(ckpt)
         self._install_hooks(model, optimizer)
@@ -292,10 +294,7 @@ class Checkpointer:
         if ckpt is None:
             return
         done = ckpt.volatile_done if volatile_only else ckpt.snapshot_done
-        if not done.is_set():
-            t0 = time.perf_counter()
-            done.wait()
-            self.blocked_seconds += time.perf_counter() - t0
+        done.wait()
         event = ckpt.volatile_copied if volatile_only else ckpt.copied
         if event is not None:  # the training stream must not overwrite before the copy ran
             torch.cuda.current_stream().wait_event(event)
@@ -325,10 +324,15 @@ class Checkpointer:
     def _install_hooks(self, model: Any, optimizer: Any) -> None:
         if isinstance(model, nn.Module) and id(model) not in self._hooks:
             self._hooks[id(model)] = model.register_forward_pre_hook(
-                lambda *_: self._wait_snapshot(volatile_only=True))
+                lambda *_: self._hook_wait(volatile_only=True))
         if isinstance(optimizer, torch.optim.Optimizer) and id(optimizer) not in self._hooks:
             self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(
-                lambda *_: self._wait_snapshot())
+                lambda *_: self._hook_wait())
+
+    def _hook_wait(self, volatile_only: bool = False) -> None:
+        t0 = time.perf_counter()
+        self._wait_snapshot(volatile_only)
+        self.blocked_seconds += time.perf_counter() - t0  # write() counts its own waits
 
     def _check_open(self) -> None:
         if self.closed:
@@ -458,11 +462,13 @@ def _close_at_exit() -> None:
 
 
 def _check_tensor(name: str, t: torch.Tensor) -> None:
-    if t.device.type == "meta":
+    if t.layout is torch.strided and not (t.is_meta or t.is_nested) and t.dtype in STORABLE:
+        return  # the common case, in a fraction of the checks below (write() runs every step)
+    if t.is_meta:
         raise ValueError(f"tensor {name!r} is on the meta device and has no data to checkpoint")
     if t.is_nested:
         raise TypeError(f"tensor {name!r} is a nested tensor; only dense tensors can be checkpointed")
-    if t.layout != torch.strided:
+    if t.layout is not torch.strided:
         raise TypeError(f"tensor {name!r} has layout {t.layout}; only dense tensors can be checkpointed")
     try:
         storage_dtype(t.dtype)

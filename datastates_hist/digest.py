@@ -2,8 +2,11 @@
 
 The checksum is xxh3-64 of the stored bytes in C order (xxhash releases the GIL).
 Statistics (L2 norm, min, max, mean, population std, count of non-finite values)
-are combined across pieces with Chan's parallel formula, so a tensor streamed
-through the host cache gets the same figures as one read whole.
+are computed in chunks that fit the CPU cache and combined with Chan's parallel
+formula, so a tensor streamed through the host cache gets the same figures as
+one read whole. The C kernel ``_fused`` (float64 accumulators, one pass over
+memory that also makes the snapshot's copy) does a chunk when it is built;
+numpy otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +18,12 @@ import numpy as np
 import torch
 import xxhash
 
+try:  # the C kernel (setup.py): copy and statistics in one pass over memory
+    from . import _fused
+except ImportError:  # built without a C compiler: numpy computes the same, in more passes
+    _fused = None
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 # Elements per statistics pass: small enough that the deviation pass runs in
 # cache, so a piece costs about one pass over memory (2x faster than 4M chunks).
 CHUNK = 1 << 16
@@ -70,9 +79,15 @@ class Digest:
             self.update(dst, dtype)
             return
         out, flat = dst.reshape(-1), src.reshape(-1)
+        fused = _fused is not None and flat.dtype in _FLOATS and dtype in (torch.float32, torch.float64)
         for i in range(0, flat.size, CHUNK):
-            np.copyto(out[i:i + CHUNK], flat[i:i + CHUNK])
-            self._add_chunk(out[i:i + CHUNK], dtype)
+            chunk = out[i:i + CHUNK]
+            if fused:
+                self._merge(chunk.size, *_fused.copy_stats(flat[i:i + CHUNK], chunk, chunk.itemsize))
+                self.hasher.update(chunk.view(np.uint8))
+            else:
+                np.copyto(chunk, flat[i:i + CHUNK])
+                self._add_chunk(chunk, dtype)
 
     def _add_chunk(self, chunk: np.ndarray, dtype: torch.dtype) -> None:
         self.hasher.update(chunk.view(np.uint8))  # xxh3 streams: chunk by chunk is the same digest
@@ -82,21 +97,31 @@ class Digest:
         n = x.size
         if n == 0:
             return
+        if _fused is not None and x.dtype in _FLOATS and x.flags.c_contiguous:
+            self._merge(n, *_fused.copy_stats(x, None, x.itemsize))
+            return
         # numpy's float32 sums are pairwise: accurate enough, and twice as fast as float64.
         # Inf and NaN are data here, not mistakes: they are counted, not warned about.
         with np.errstate(over="ignore", invalid="ignore"):
-            mean_c = float(x.sum()) / n
+            total_sum = float(x.sum())
             dev = self._scratch(x)
-            np.subtract(x, x.dtype.type(mean_c), out=dev)
+            np.subtract(x, x.dtype.type(total_sum / n), out=dev)
             np.square(dev, out=dev)  # not np.dot: BLAS threads would compete with training's
             m2_c = float(dev.sum())
             lo, hi = float(x.min()), float(x.max())
-        if not (math.isfinite(mean_c) and math.isfinite(m2_c)):
+        bad = 0
+        if not (math.isfinite(total_sum) and math.isfinite(m2_c)):
             bad = n - int(np.count_nonzero(np.isfinite(x)))
-            self.nonfinite += bad
             if bad == 0 and x.dtype != np.float64:  # finite values whose float32 sums overflowed
                 self._add(x.astype(np.float64))
                 return
+        self._merge(n, total_sum, m2_c, lo, hi, bad)
+
+    def _merge(self, n: int, total_sum: float, m2_c: float, lo: float, hi: float, bad: int) -> None:
+        """Add a chunk's figures: its size, sum, sum of squared deviations from its
+        mean, min, max and count of non-finite values (Chan's parallel formula)."""
+        mean_c = total_sum / n
+        self.nonfinite += bad
         total = self.n + n
         delta = mean_c - self.mean
         self.mean += delta * n / total

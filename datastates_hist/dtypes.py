@@ -32,6 +32,7 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
         _STORAGE[getattr(torch, _name)] = "uint8"
 
 _BY_NAME = {str(d).removeprefix("torch."): d for d in _STORAGE}
+STORABLE = frozenset(_STORAGE)  # the torch dtypes a tensor may have to be stored
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -117,10 +117,10 @@ class Flusher:
         if piece.region is not None:
             if piece.copied is not None:
                 piece.copied.synchronize()
-            raw = self.cache.view(piece.region)
+            raw = self.cache.array(piece.region)
             if not piece.owner or piece.at:  # one of several small tensors in the region
                 raw = raw[piece.at:piece.at + max(math.prod(piece.count), 1) * sdtype.itemsize]
-            array = raw.numpy().view(sdtype).reshape(piece.count)
+            array = raw.view(sdtype).reshape(piece.count)
             if piece.digest is None:
                 digest.update(array, t.dtype)
             step.writer.put(item.name, array, piece.start)

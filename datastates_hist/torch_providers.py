@@ -99,15 +99,15 @@ class OptimizerProvider(StateProvider):
         return {n: p for g, names in zip(opt.param_groups, self._names(opt, ctx)) for p, n in zip(g["params"], names)}
 
     def items(self, opt, ctx):
-        groups = []
-        for group, names in zip(opt.param_groups, self._names(opt, ctx)):
+        groups, all_names = [], self._names(opt, ctx)
+        for group, names in zip(opt.param_groups, all_names):
             hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append({"params": names, "options": values.encode(hyper, "param_groups")})
         yield ValueItem("param_groups", {"type": type(opt).__qualname__, "groups": groups})
-        scalars = {}
-        for group, names in zip(opt.param_groups, self._names(opt, ctx)):
+        scalars, state = {}, opt.state
+        for group, names in zip(opt.param_groups, all_names):
             for p, pname in zip(group["params"], names):
-                for key, v in opt.state.get(p, {}).items():
+                for key, v in state.get(p, {}).items():
                     if isinstance(v, torch.Tensor):
                         yield TensorItem(f"state/{pname}/{key}", v.detach())
                     else:

@@ -9,11 +9,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-if ! command -v h5dump >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    # h5dump, to check that step files are plain HDF5 (a test uses it)
-    (apt-get install -y -q hdf5-tools >/dev/null 2>&1 ||
-        (apt-get update -q >/dev/null && apt-get install -y -q hdf5-tools >/dev/null)) ||
-        echo "install.sh: could not install hdf5-tools; the h5dump test will be skipped" >&2
+# h5dump, to check that step files are plain HDF5 (a test uses it); a C compiler and
+# Python's headers for the digest's C kernel (setup.py; without them numpy does its work)
+PACKAGES=()
+command -v h5dump >/dev/null 2>&1 || PACKAGES+=(hdf5-tools)
+command -v cc >/dev/null 2>&1 || PACKAGES+=(gcc)
+"$PY" -c "import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" ||
+    PACKAGES+=(python3-dev)
+if [ ${#PACKAGES[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -q "${PACKAGES[@]}" >/dev/null 2>&1 ||
+        (apt-get update -q >/dev/null && apt-get install -y -q "${PACKAGES[@]}" >/dev/null)) ||
+        echo "install.sh: could not install ${PACKAGES[*]}" >&2
 fi
 
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
@@ -23,4 +29,4 @@ fi
 if [ "${1:-}" = "--mpi" ]; then
     bash tools/install_mpi.sh
 fi
-"$PY" -c "import datastates_hist, torch, adios2, h5py; print('datastates-hist', datastates_hist.__version__, '| torch', torch.__version__, '| adios2', adios2.__version__, '| h5py', h5py.__version__)"
+"$PY" -c "import datastates_hist, torch, adios2, h5py; from datastates_hist import digest; print('datastates-hist', datastates_hist.__version__, '| torch', torch.__version__, '| adios2', adios2.__version__, '| h5py', h5py.__version__, '| digest kernel', 'built' if digest._fused else 'NOT built (numpy fallback)')"

@@ -196,19 +196,22 @@ class FileWriter:
         rc = self.lib.adios2_begin_step(self.engine, STEP_MODE_APPEND, -1.0, ctypes.byref(status))
         adios.check(rc, "begin_step", path)
         self.variables: dict[str, int] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.selected: dict[str, tuple | None] = {}  # each variable's selection; None: the whole array
 
     def define(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
         """Declare a global array ``name`` of ``shape``; blocks are put with :meth:`put`."""
         if dtype not in _TYPES:
             raise TypeError(f"ADIOS2 has no type for numpy dtype {dtype} (variable {name})")
-        zeros = [0] * len(shape)
+        dims = _sizes(shape)
         var = self.lib.adios2_define_variable(
-            self.io, name.encode(), _TYPES[dtype], len(shape),
-            _sizes(shape), _sizes(zeros), _sizes(shape), 0,
+            self.io, name.encode(), _TYPES[dtype], len(shape), dims, _sizes([0] * len(shape)), dims, 0,
         )
         if not var:
             raise Adios2Error(f"ADIOS2 could not define variable {name} in {self.path}")
         self.variables[name] = var
+        self.shapes[name] = tuple(shape)
+        self.selected[name] = None  # defined with the whole array selected
 
     def put(self, name: str, pointer: int, start, count) -> None:
         """Put one block (``start``/``count`` in the global array) read from ``pointer``.
@@ -217,8 +220,11 @@ class FileWriter:
         :meth:`next_step` or :meth:`close` returns.
         """
         var = self.variables[name]
-        rc = self.lib.adios2_set_selection(var, len(start), _sizes(start), _sizes(count))
-        self.adios.check(rc, f"set_selection of {name}", self.path)
+        box = None if not any(start) and tuple(count) == self.shapes[name] else (tuple(start), tuple(count))
+        if box != self.selected[name]:  # a ctypes call saved for most puts (a whole small tensor)
+            rc = self.lib.adios2_set_selection(var, len(start), _sizes(start), _sizes(count))
+            self.adios.check(rc, f"set_selection of {name}", self.path)
+            self.selected[name] = box
         rc = self.lib.adios2_put(self.engine, var, c_void_p(pointer), MODE_DEFERRED)
         self.adios.check(rc, f"put of {name}", self.path)
 

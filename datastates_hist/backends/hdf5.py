@@ -1,9 +1,11 @@
 """HDF5 backend (h5py): one plain HDF5 file per step.
 
 Each tensor is a contiguous dataset at its item name (``model/blocks.0.weight``
-is dataset ``blocks.0.weight`` in group ``model``), with attributes ``dtype``
-(the real torch dtype: bfloat16 is stored as uint16), ``name`` and ``step``,
-so ``h5dump -H`` and h5py show what each dataset is. The manifest is the uint8
+is dataset ``blocks.0.weight`` in group ``model``) of its own type where HDF5
+has one; the others (bfloat16, float16, bool, float8) are stored as unsigned
+integers of the same width with the attribute ``dtype`` naming the real torch
+dtype, so ``h5dump -H`` and h5py show what each dataset is. The root group's
+attribute ``step`` is the step. The manifest is the uint8
 dataset ``__manifest__``. A file per step lets retention delete a step without
 rewriting others, and lets readers open committed steps while the writer
 appends new files. h5py releases the GIL inside its reads and writes.
@@ -11,6 +13,7 @@ appends new files. h5py releases the GIL inside its reads and writes.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import h5py
@@ -28,12 +31,18 @@ _LINK_CREATE.set_char_encoding(h5py.h5t.CSET_UTF8)
 _STRING = h5py.string_dtype("utf-8")
 
 
-def _attribute(dsid, key: str, value) -> None:
-    """A scalar attribute as h5py writes one (strings: variable-length UTF-8)."""
-    data = np.array(value, dtype=_STRING) if isinstance(value, str) else np.asarray(value)
-    attr = h5py.h5a.create(dsid, key.encode(), h5py.h5t.py_create(data.dtype, logical=True),
-                           h5py.h5s.create(h5py.h5s.SCALAR))
-    attr.write(data)
+_STRING_TYPE = h5py.h5t.py_create(_STRING, logical=True)
+_SCALAR = h5py.h5s.create(h5py.h5s.SCALAR)
+
+
+def _string_attribute(dsid, key: bytes, value: str) -> None:
+    """A scalar string attribute as h5py writes one (variable-length UTF-8)."""
+    h5py.h5a.create(dsid, key, _STRING_TYPE, _SCALAR).write(np.array(value, dtype=_STRING))
+
+
+@functools.lru_cache(maxsize=None)
+def _file_type(dtype: np.dtype):
+    return h5py.h5t.py_create(dtype)
 
 
 def _box(start, count) -> tuple:
@@ -43,35 +52,35 @@ def _box(start, count) -> tuple:
 class HDF5StepWriter(StagedStepWriter):
     """Datasets and attributes through h5py's low-level API: the high-level one
     costs about 1 ms per tensor, more than writing a small tensor
-    (docs/performance.md); the files are the same."""
+    (docs/performance.md); the files are the same. An attribute only where the
+    stored type is not the real one: each costs about as much as the dataset."""
 
     def __init__(self, final: str, step: int):
         super().__init__(final)
-        self.step = step
         self.file = h5py.File(self.tmp, "w", libver="latest")
         self.file.attrs["step"] = step
-        self.datasets: dict[str, h5py.h5d.DatasetID] = {}
+        self.datasets: dict[str, tuple[h5py.h5d.DatasetID, tuple]] = {}
 
     def define(self, name, dtype, shape, real_dtype, block=None):
         shape = tuple(shape)
         space = h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
-        dsid = h5py.h5d.create(self.file.id, name.encode(), h5py.h5t.py_create(np.dtype(dtype)), space,
+        dsid = h5py.h5d.create(self.file.id, name.encode(), _file_type(np.dtype(dtype)), space,
                                lcpl=_LINK_CREATE)
-        _attribute(dsid, "name", name)
-        _attribute(dsid, "dtype", real_dtype)
-        _attribute(dsid, "step", np.int64(self.step))
-        self.datasets[name] = dsid
+        if real_dtype != np.dtype(dtype).name:
+            _string_attribute(dsid, b"dtype", real_dtype)
+        self.datasets[name] = (dsid, shape)
 
     def put(self, name, array, start):
-        dsid = self.datasets[name]
+        dsid, shape = self.datasets[name]
         if array.size == 0:
             return
-        if dsid.shape == () or (not any(start) and array.shape == dsid.shape):
-            dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, array.reshape(dsid.shape))
+        mtype = _file_type(array.dtype)  # given, h5py would derive it on every call
+        if shape == () or (not any(start) and array.shape == shape):
+            dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, array.reshape(shape), mtype=mtype)
             return
         file_space = dsid.get_space()
         file_space.select_hyperslab(tuple(start), tuple(array.shape))
-        dsid.write(h5py.h5s.create_simple(tuple(array.shape)), file_space, array)
+        dsid.write(h5py.h5s.create_simple(tuple(array.shape)), file_space, array, mtype=mtype)
 
     def write_out(self):
         pass  # puts are written at once

@@ -1,0 +1,87 @@
+"""Checksums and statistics of a tensor: the C kernel and the numpy path agree with
+float64 references, chunk boundaries or not, with NaN and infinities counted."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from datastates_hist import digest as digest_module
+from datastates_hist.digest import CHUNK, Digest
+
+
+def reference(values: np.ndarray) -> dict:
+    v = values.astype(np.float64).reshape(-1)
+    finite = v[np.isfinite(v)]
+    return {"norm": float(np.sqrt((v * v).sum())), "min": float(v.min()), "max": float(v.max()),
+            "mean": float(v.mean()), "std": float(v.std()), "nonfinite": int(v.size - finite.size)}
+
+
+def digest_of(src: np.ndarray, dtype: torch.dtype, copy: bool) -> tuple[Digest, np.ndarray]:
+    d = Digest()
+    if copy:
+        dst = np.empty_like(src)
+        d.copy_update(dst, src, dtype)
+    else:
+        dst = src
+        d.update(src, dtype)
+    return d, dst
+
+
+@pytest.fixture(params=["kernel", "numpy"])
+def path(request, monkeypatch):
+    if request.param == "numpy":
+        monkeypatch.setattr(digest_module, "_fused", None)
+    return request.param
+
+
+def test_the_kernel_is_built():
+    # a silent fallback to numpy would pass every other test, slower: tools/install.sh builds it
+    assert digest_module._fused is not None
+
+
+@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 7, CHUNK, 3 * CHUNK + 5])
+def test_statistics_match_float64_references(path, dtype, n, copy):
+    rng = np.random.default_rng(n)
+    src = (rng.standard_normal(n) * 3 + 1000).astype(dtype)  # mean >> std: deviations matter
+    d, dst = digest_of(src, torch.float32 if dtype == np.float32 else torch.float64, copy)
+    assert np.array_equal(dst, src)
+    assert d.checksum() == xxhash.xxh3_64_hexdigest(src.tobytes())
+    got, want = d.stats(), reference(src)
+    assert got["nonfinite"] == 0 and got["min"] == want["min"] and got["max"] == want["max"]
+    for key in ("norm", "mean", "std"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), key
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_nan_and_infinity_are_counted(path, copy):
+    src = np.arange(CHUNK + 10, dtype=np.float32)
+    src[3], src[CHUNK + 2] = np.inf, -np.inf
+    d, _ = digest_of(src, torch.float32, copy)
+    s = d.stats()
+    assert s["nonfinite"] == 2 and s["min"] == -np.inf and s["max"] == np.inf
+    src[5] = np.nan
+    d, _ = digest_of(src, torch.float32, copy)
+    s = d.stats()
+    assert s["nonfinite"] == 3 and math.isnan(s["min"]) and math.isnan(s["max"])
+
+
+def test_constant_tensor_has_zero_std(path):
+    d, _ = digest_of(np.full(2 * CHUNK + 1, 1.0, dtype=np.float32), torch.float32, True)
+    assert d.stats()["std"] == 0.0 and d.stats()["mean"] == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex64])
+def test_other_dtypes_are_summarised_as_their_values(path, dtype):
+    t = (torch.randn(CHUNK + 3) * 5).to(dtype)
+    raw = t.view(torch.uint16).numpy() if dtype in (torch.bfloat16, torch.float16) else t.numpy()
+    d, dst = digest_of(raw, dtype, True)
+    assert np.array_equal(dst, raw)
+    values = (t.abs() if dtype.is_complex else t).to(torch.float64).numpy()
+    got, want = d.stats(), reference(values)
+    for key in ("norm", "min", "max", "mean", "std"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), key
