@@ -13,6 +13,7 @@ import json
 import math
 import mmap
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ def steps_dir(run_dir: str) -> str:
 
 
 HUGE_PAGE = 2 << 20
+PAGE = mmap.PAGESIZE
 
 
 def fresh_arrays(specs: list[tuple[tuple[int, ...], np.dtype]]):
@@ -54,6 +56,35 @@ def fresh_arrays(specs: list[tuple[tuple[int, ...], np.dtype]]):
         buf.madvise(mmap.MADV_HUGEPAGE)
     for (shape, dtype), at in zip(specs, offsets):
         yield np.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=at).reshape(shape)
+
+
+def _read_while_faulting(reader: StepReader, requests: list, is_fresh: list[bool]) -> None:
+    """``reader.read_many(requests)``, while a second thread faults in the fresh
+    destination memory of the later half (by bytes) of the fresh requests, which are
+    read last: first writes to fresh memory cost more than the read itself here, and
+    a reader of one thread (h5py) would pay them all on its own."""
+    fresh_bytes = sum(req[1].nbytes for req, f in zip(requests, is_fresh) if f)
+    later, seen = set(), 0
+    for i in reversed(range(len(requests))):
+        if is_fresh[i] and seen < fresh_bytes // 2:
+            later.add(i)
+            seen += requests[i][1].nbytes
+    if seen < HUGE_PAGE:
+        reader.read_many(requests)
+        return
+    faulted = threading.Thread(target=_fault_in, args=([requests[i][1] for i in later],), daemon=True)
+    faulted.start()
+    try:
+        reader.read_many([req for i, req in enumerate(requests) if i not in later])
+    finally:
+        faulted.join()  # no write to those arrays may follow the reads into them
+    reader.read_many([req for i, req in enumerate(requests) if i in later])
+
+
+def _fault_in(arrays: list[np.ndarray]) -> None:
+    """One write per page (numpy releases the GIL): the arrays are read into next."""
+    for a in arrays:
+        a.reshape(-1).view(np.uint8)[::PAGE] = 0
 
 
 class StepData:
@@ -94,9 +125,14 @@ class StepData:
         wanted = [r for r in wanted if r.blocks is None and math.prod(r.shape)]
         outs = [self._live_destination(r, into.get(r.name)) for r in wanted]
         fresh = fresh_arrays([(r.shape, storage_dtype(torch_dtype(r.dtype))) for r, o in zip(wanted, outs) if o is None])
+        is_fresh = [o is None for o in outs]
         outs = [o if o is not None else next(fresh) for o in outs]
+        requests = [(r.name, out, (0,) * len(r.shape)) for r, out in zip(wanted, outs)]
         try:
-            self.reader.read_many([(r.name, out, (0,) * len(r.shape)) for r, out in zip(wanted, outs)])
+            if self.reader.parallel_reads:
+                self.reader.read_many(requests)
+            else:
+                _read_while_faulting(self.reader, requests, is_fresh)
         except Exception as exc:
             raise CorruptionError(f"the tensors of step {self.row.step} in {self.run_dir} cannot be read: {exc}") from exc
         for rec, out in zip(wanted, outs):

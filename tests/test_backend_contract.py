@@ -136,6 +136,26 @@ def test_any_committed_step_restores(run_dir, backend):
             assert torch.equal(model.weight, seen[step])
 
 
+def test_optimizer_state_restores_into_fresh_memory_bit_exact(run_dir, backend):
+    # 2 x 16 MiB of Adam state read into fresh memory: large enough that a reader of one
+    # thread reads the later half after a second thread faulted it in (store._read_while_faulting)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2048, 2048)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 2048)).sum().backward()
+    opt.step()
+    with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+        ckpt.write(1, model, opt)
+    fresh = torch.nn.Linear(2048, 2048)
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    with dh.Checkpointer(run_dir) as ckpt:
+        ckpt.restore(model=fresh, optimizer=fresh_opt)
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert bits(fresh_opt.state[q][key].reshape(-1)) == bits(opt.state[p][key].reshape(-1)), key
+
+
 def test_plain_values_round_trip(run_dir, backend):
     value = {"epoch": 3, "lr": 1e-3, "name": "x", "nested": {"t": (1, 2), "l": [None, True]},
              "int_keys": {1: "a", 2: "b"}, "bytes": b"\x00\xff", "nan": float("nan"),
