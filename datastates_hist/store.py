@@ -59,32 +59,52 @@ def fresh_arrays(specs: list[tuple[tuple[int, ...], np.dtype]]):
 
 
 def _read_while_faulting(reader: StepReader, requests: list, is_fresh: list[bool]) -> None:
-    """``reader.read_many(requests)``, while a second thread faults in the fresh
-    destination memory of the later half (by bytes) of the fresh requests, which are
-    read last: first writes to fresh memory cost more than the read itself here, and
-    a reader of one thread (h5py) would pay them all on its own."""
-    fresh_bytes = sum(req[1].nbytes for req, f in zip(requests, is_fresh) if f)
-    later, seen = set(), 0
-    for i in reversed(range(len(requests))):
-        if is_fresh[i] and seen < fresh_bytes // 2:
-            later.add(i)
-            seen += requests[i][1].nbytes
-    if seen < HUGE_PAGE:
+    """``reader.read_many(requests)`` for a reader of one thread (h5py), while a second
+    thread faults in fresh destination memory from the last request backwards: first
+    writes to fresh memory cost more than the read itself here. The reader reads from
+    the first request on; where the two meet, it reads into memory already faulted in.
+    Each request is either faulted by the helper, before it is read, or read first and
+    never touched by the helper (a lock decides which)."""
+    if sum(req[1].nbytes for req, fresh in zip(requests, is_fresh) if fresh) < 2 * HUGE_PAGE:
         reader.read_many(requests)
         return
-    faulted = threading.Thread(target=_fault_in, args=([requests[i][1] for i in later],), daemon=True)
-    faulted.start()
+    lock = threading.Lock()
+    reading = 0  # requests below this index are the reader's
+    faulted: dict[int, threading.Event] = {}
+
+    def fault_from_the_end() -> None:
+        for i in reversed(range(len(requests))):
+            if not is_fresh[i]:
+                continue
+            with lock:
+                if i < reading:
+                    return
+                faulted[i] = threading.Event()
+            try:
+                _fault_in(requests[i][1])
+            finally:
+                faulted[i].set()
+
+    helper = threading.Thread(target=fault_from_the_end, name="dh-fault-in", daemon=True)
+    helper.start()
     try:
-        reader.read_many([req for i, req in enumerate(requests) if i not in later])
+        for i, request in enumerate(requests):
+            with lock:
+                done = faulted.get(i)
+                if done is None:
+                    reading = i + 1
+            if done is not None:
+                done.wait()
+            reader.read_many([request])
     finally:
-        faulted.join()  # no write to those arrays may follow the reads into them
-    reader.read_many([req for i, req in enumerate(requests) if i in later])
+        with lock:
+            reading = len(requests)  # the helper stops at its next request
+        helper.join()
 
 
-def _fault_in(arrays: list[np.ndarray]) -> None:
-    """One write per page (numpy releases the GIL): the arrays are read into next."""
-    for a in arrays:
-        a.reshape(-1).view(np.uint8)[::PAGE] = 0
+def _fault_in(array: np.ndarray) -> None:
+    """One write per page (numpy releases the GIL): the array is read into next."""
+    array.reshape(-1).view(np.uint8)[::PAGE] = 0
 
 
 class StepData:
