@@ -63,8 +63,8 @@ class Digest:
     def update(self, raw: np.ndarray, dtype: torch.dtype) -> None:
         """Add a piece: ``raw`` its stored bytes (the storage dtype), ``dtype`` the real one.
 
-        numpy, not torch, does the arithmetic: it runs on this thread alone, where torch
-        would start an OpenMP team that competes with the training thread's.
+        The C kernel or numpy, not torch, does the arithmetic: it runs on this thread
+        alone, where torch would start an OpenMP team that competes with training's.
         """
         flat = raw.reshape(-1)
         for i in range(0, flat.size, CHUNK):
@@ -79,7 +79,7 @@ class Digest:
             self.update(dst, dtype)
             return
         out, flat = dst.reshape(-1), src.reshape(-1)
-        fused = _fused is not None and flat.dtype in _FLOATS and dtype in (torch.float32, torch.float64)
+        fused = _fused is not None and flat.dtype in _FLOATS  # stored as itself: float32/64
         for i in range(0, flat.size, CHUNK):
             chunk = out[i:i + CHUNK]
             if fused:

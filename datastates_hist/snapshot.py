@@ -184,7 +184,8 @@ class Snapshotter:
             offsets[-1] + sizes[-1], on_wait=lambda: self.out.put(("space",)),
             cancelled=lambda: ckpt.error is not None,
         )
-        buf, host = self.cache.view(region) if cuda else None, self.cache.array(region)
+        buf = self.cache.view(region) if cuda else None  # the destination of device copies
+        host = self.cache.array(region)
         batch = []
         for (index, t), at, n in zip(small, offsets, sizes):
             src = _storage_view(t)

@@ -196,8 +196,7 @@ class FileWriter:
         rc = self.lib.adios2_begin_step(self.engine, STEP_MODE_APPEND, -1.0, ctypes.byref(status))
         adios.check(rc, "begin_step", path)
         self.variables: dict[str, int] = {}
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.selected: dict[str, tuple | None] = {}  # each variable's selection; None: the whole array
+        self.selected: dict[str, tuple] = {}  # each variable's selection: (start, count)
 
     def define(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
         """Declare a global array ``name`` of ``shape``; blocks are put with :meth:`put`."""
@@ -210,8 +209,7 @@ class FileWriter:
         if not var:
             raise Adios2Error(f"ADIOS2 could not define variable {name} in {self.path}")
         self.variables[name] = var
-        self.shapes[name] = tuple(shape)
-        self.selected[name] = None  # defined with the whole array selected
+        self.selected[name] = ((0,) * len(shape), tuple(shape))  # what define selects
 
     def put(self, name: str, pointer: int, start, count) -> None:
         """Put one block (``start``/``count`` in the global array) read from ``pointer``.
@@ -220,7 +218,7 @@ class FileWriter:
         :meth:`next_step` or :meth:`close` returns.
         """
         var = self.variables[name]
-        box = None if not any(start) and tuple(count) == self.shapes[name] else (tuple(start), tuple(count))
+        box = (tuple(start), tuple(count))
         if box != self.selected[name]:  # a ctypes call saved for most puts (a whole small tensor)
             rc = self.lib.adios2_set_selection(var, len(start), _sizes(start), _sizes(count))
             self.adios.check(rc, f"set_selection of {name}", self.path)
