@@ -11,10 +11,12 @@ from __future__ import annotations
 import atexit
 import errno
 import fcntl
+import operator
 import os
 import socket
 import sqlite3
 import sys
+import threading
 import time
 import weakref
 from typing import Any
@@ -28,7 +30,7 @@ from .cache import HostCache
 from .commit import commit_collective, commit_step, remove_uncommitted
 from .dtypes import STORABLE, storage_dtype
 from .errors import (
-    CheckpointError, CorruptionError, StepOrderError, StoreLockedError,
+    CheckpointError, CorruptionError, StepNotFoundError, StepOrderError, StoreLockedError,
 )
 from .flush import Flusher
 from .group import as_group
@@ -43,6 +45,9 @@ from .torch_providers import RNG, parameter_names
 
 DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_PIECE_BYTES = 64 << 20
+# The largest step: the index stores steps as SQLite INTEGER (signed 64-bit);
+# the name of a step's unit (backends.base.step_stem) holds any of them.
+MAX_STEP = 2**63 - 1
 
 
 class Checkpointer:
@@ -90,7 +95,7 @@ class Checkpointer:
         try:
             if not self.group.root:
                 self.index = Index(self.path)
-            self.backend_name = backend or self.index.meta("backend") or "adios2"
+            self.backend_name = self.index.backend(backend)
             self.backend = make_backend(self.backend_name, backend_options)
         except BaseException:
             self._give_back()
@@ -105,11 +110,13 @@ class Checkpointer:
         self._pending: list[PendingCheckpoint] = []
         self._last: PendingCheckpoint | None = None
         self._last_step = self.index.latest()
+        self._checked_names: tuple[str, ...] = ()
         self._hooks: dict[int, Any] = {}
         self.blocked_seconds = 0.0  # training-thread time spent in write() and in the hooks
         self.writes = 0
         self.closed = False
         _OPEN.add(self)
+        _close_first_at_exit()  # the backend's library may have registered its exit handler just now
 
     def _open_run(self, backend: str | None) -> None:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
@@ -121,12 +128,12 @@ class Checkpointer:
                 raise
             raise PermissionError(f"cannot create the run directory {self.path}: {exc.strerror}") from exc
         if not os.access(self.path, os.W_OK):
-            raise PermissionError(f"the run directory {self.path} is not writable")
+            raise PermissionError(f"the run directory {self.path} is not writable: {_why_not_writable(self.path)}")
         self._lock_fd = _take_lock(self.path)
         try:
             _check_index_exists(self.path)
             self.index = Index(self.path, create=True, backend=backend or "adios2")
-            get_backend(backend or self.index.meta("backend") or "adios2")
+            get_backend(self.index.backend(backend))
             remove_uncommitted(steps_dir(self.path), self.index)
         except BaseException:
             self._give_back()
@@ -172,8 +179,7 @@ class Checkpointer:
         optimizer = optimizer if optimizer is not None else self.optimizer
         if model is None:
             raise TypeError("write() needs a model (or bind one: Checkpointer(path, model=...))")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = _step_number(step)
         if self._last_step is not None and step <= self._last_step:
             raise StepOrderError(
                 f"step {step} is not after step {self._last_step}, the newest in {self.path}; "
@@ -207,6 +213,7 @@ class Checkpointer:
         if optimizer is not None:
             objects["optim"] = optimizer
         for key, value in extra.items():
+            _check_name(f"extra/{key}", "extra")
             objects[f"extra/{key}"] = value
         tensors: list[TensorItem] = []
         items_values: dict[str, Any] = {}
@@ -218,6 +225,8 @@ class Checkpointer:
                 for item in provider.items(obj, ctx):
                     name = f"{prefix}/{item.name}" if item.name else prefix
                     if isinstance(item, ValueItem):
+                        if name in items_values:
+                            raise ValueError(f"two values are named {name!r}; rename one")
                         items_values[name] = item.value
                     else:
                         item.name = name
@@ -230,10 +239,20 @@ class Checkpointer:
                         tensors.append(item)
             except values_codec.UnsupportedValueError as exc:
                 raise TypeError(f"cannot checkpoint {prefix!r}: {exc}") from None
+            except values_codec.NestingError as exc:
+                raise ValueError(f"cannot checkpoint {prefix!r}: {exc}") from None
+        self._check_names(tensors)
         if self.group.size > 1:
             tensors = self._my_part(tensors)
         tensors.sort(key=lambda t: not t.volatile)  # volatile first; stable otherwise
         return PendingCheckpoint(step, tensors, {"items": items_values, "objects": kinds})
+
+    def _check_names(self, tensors: list[TensorItem]) -> None:
+        """Names the backends can store; checked once per set of names (the same every step)."""
+        names = tuple(t.name for t in tensors)
+        if names != self._checked_names:
+            check_tensor_names(names)
+            self._checked_names = names
 
     @property
     def _rng_prefix(self) -> str:
@@ -372,8 +391,10 @@ class Checkpointer:
         """Drop committed steps after ``after`` (to branch the history from there)."""
         from .retention import remove_steps
 
-        if not isinstance(after, int) or isinstance(after, bool):
-            raise TypeError(f"truncate(after=...) needs a step number (int), got {after!r}")
+        try:
+            after = _integral(after)
+        except TypeError:
+            raise TypeError(f"truncate(after=...) needs a step number (int), got {after!r}") from None
         self.wait()
         removed = self._on_root(
             lambda: remove_steps(self.path, self.index, [s for s in self.index.steps() if s > after]))
@@ -414,9 +435,13 @@ class Checkpointer:
         """
         self._check_open()
         if step is not None:
-            if isinstance(step, bool) or not hasattr(step, "__index__"):
-                raise TypeError(f"restore() needs a step number (int) or None for the newest, got {step!r}")
-            step = step.__index__()
+            try:
+                step = _integral(step)
+            except TypeError:
+                raise TypeError(f"restore() needs a step number (int) or None for the newest, got {step!r}") from None
+            if step > MAX_STEP:  # beyond what the index can even be asked for
+                raise StepNotFoundError(f"step {step} is not committed in {self.path}: steps go up to "
+                                        f"2**63-1 = {MAX_STEP}")
         self.wait()
         model = model if model is not None else self.model
         optimizer = optimizer if optimizer is not None else self.optimizer
@@ -451,7 +476,6 @@ def _disk_full(exc: BaseException) -> bool:
     return False
 
 
-@atexit.register
 def _close_at_exit() -> None:
     """Commit what was issued when the program ends without close()."""
     for ckpt in list(_OPEN):
@@ -459,6 +483,80 @@ def _close_at_exit() -> None:
             ckpt.close()
         except Exception as exc:  # the program is ending: report, do not raise
             print(f"datastates-hist: {exc}", file=sys.stderr)
+
+
+def _close_first_at_exit() -> None:
+    """Make :func:`_close_at_exit` the newest exit handler, so that it runs first (atexit
+    runs the newest first): it must finish the flusher's writes before the storage
+    libraries' own exit handlers run (h5py unregisters its type converters: a write still
+    in flight then fails, or crashes the process). They register theirs when first
+    imported, which may be after this module was: when a backend is first used, or
+    later by the program."""
+    atexit.unregister(_close_at_exit)
+    atexit.register(_close_at_exit)
+
+
+atexit.register(_close_at_exit)
+if hasattr(threading, "_register_atexit"):
+    # threading's exit callbacks run before any atexit handler (and before non-daemon
+    # threads are joined): moving ours to the newest there covers every library
+    # imported before the program ended. MPI's finalize (mpi4py) runs after atexit.
+    threading._register_atexit(_close_first_at_exit)
+
+
+def _integral(number: Any) -> int:
+    """An int from any integral number (``int``, ``numpy.int64``, ...) but a bool."""
+    if isinstance(number, bool):
+        raise TypeError(f"{number!r} is a bool, not a number")
+    return operator.index(number)
+
+
+def _step_number(step: Any) -> int:
+    """``step`` as an int, refused unless a whole number from 0 to :data:`MAX_STEP`."""
+    try:
+        step = _integral(step)
+    except TypeError:
+        raise ValueError(f"step must be a non-negative int, got {step!r}") from None
+    if step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if step > MAX_STEP:
+        raise ValueError(f"step {step} is too large: steps go up to 2**63-1 = {MAX_STEP} (a signed "
+                         "64-bit integer, as the index stores them)")
+    return step
+
+
+def check_tensor_names(names: "tuple[str, ...] | list[str]") -> None:
+    """Refuse tensor names the backends cannot store: HDF5 and ADIOS2 take ``/``-separated
+    paths (HDF5 reads ``a//b`` as ``a/b`` and ``a/.`` as ``a``), in UTF-8, up to a NUL; a
+    tensor cannot also be the group of others (``x`` beside ``x/y``), nor appear twice."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"two tensors are named {name!r}; rename one")
+        seen.add(name)
+        _check_name(name)
+    for name in names:
+        parent = name.rpartition("/")[0]
+        while parent:
+            if parent in seen:
+                raise ValueError(f"tensor {parent!r} is also the group of tensor {name!r}: a name "
+                                 "cannot be both a tensor and the prefix of another; rename one")
+            parent = parent.rpartition("/")[0]
+
+
+def _check_name(name: str, kind: str = "tensor") -> None:
+    """Refuse a name with an empty, ``.`` or ``..`` component, a NUL, or no UTF-8 form."""
+    for part in name.split("/"):
+        if part in ("", ".", ".."):
+            what = "an empty" if part == "" else f"a {part!r}"
+            raise ValueError(f"{kind} {name!r} has {what} name component (between '/'), which the "
+                             "backends cannot store; use keys that are not empty, '.' or '..'")
+    if "\0" in name:
+        raise ValueError(f"{kind} {name!r} holds a NUL character, which ends a name in the backends")
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"{kind} {name!r} is not valid Unicode (it holds a lone surrogate)") from None
 
 
 def _check_tensor(name: str, t: torch.Tensor) -> None:
@@ -490,9 +588,19 @@ def _check_shard(name: str, item: TensorItem) -> None:
             )
 
 
+def _why_not_writable(path: str) -> str:
+    return "read-only file system" if os.statvfs(path).f_flag & os.ST_RDONLY else "permission denied"
+
+
 def _take_lock(run_dir: str) -> int:
     path = os.path.join(run_dir, "writer.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise PermissionError(f"the run directory {run_dir} is not writable: {exc.strerror.lower()} "
+                              f"(cannot open its lock file {path})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -6,7 +6,9 @@
 3. One SQLite transaction inserts the step's row and its tensor rows.
 
 Only step 3 makes the step visible. A crash before it leaves data that no
-index row names; the next writer removes it (:func:`remove_uncommitted`).
+index row names; the next writer removes it (:func:`remove_uncommitted`),
+unless that data is older than the index itself (then the index, not the
+data, is suspect: the writer refuses and ``datastates-hist repair`` rebuilds it).
 
 With several ranks (:func:`commit_collective`), rank 0 gathers what every
 rank wrote (or why it failed), merges the blocks into global records and
@@ -20,12 +22,15 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 
 from .backends.base import StepWriter, remove_tree
 from .digest import checksum_bytes
+from .errors import CorruptionError
 from .index import FORMAT_VERSION, Index, StepRow
 from .items import TensorRecord
+from .layout import check_location
 
 
 def manifest_bytes(step: int, records: list[TensorRecord], values: dict, **more) -> bytes:
@@ -136,12 +141,61 @@ def _abort_all(group, writer) -> None:
         writer.remove()
 
 
+# File times lag time.time() by up to a clock tick (and FAT keeps them to 2 s): a unit
+# written just after its index was created may look a little older than the index.
+CLOCK_SLACK_S = 2.0
+
+
 def remove_uncommitted(steps_dir: str, index: Index) -> list[str]:
-    """Delete step data that no committed row names (left by a crash)."""
-    committed = {r.location for r in index.step_rows()}
-    removed = []
-    for entry in sorted(os.listdir(steps_dir)):
-        if entry not in committed:
-            remove_tree(os.path.join(steps_dir, entry))
-            removed.append(entry)
-    return removed
+    """Delete step data that no committed row names (left by a crash); the entries removed.
+
+    Refuses (``CorruptionError``, nothing changed) when a finished unit (not
+    ``.partial``) that no row names is older than the index itself: the index is
+    then younger than the step data (lost and partly rebuilt, or replaced), and
+    such a unit may be a committed step rather than a crash's leftover. A
+    symbolic link is unlinked, never followed: its target is not the run's.
+    """
+    # a row naming other data (a damaged index) must not get its step's own unit deleted
+    committed = {check_location(index.run_dir, r) for r in index.step_rows()}
+    unnamed = [e for e in sorted(os.listdir(steps_dir)) if e not in committed]
+    _refuse_units_older_than_index(index, steps_dir, unnamed)
+    for entry in unnamed:
+        path = os.path.join(steps_dir, entry)
+        if os.path.islink(path):
+            os.unlink(path)
+        else:
+            remove_tree(path)
+    return unnamed
+
+
+def _refuse_units_older_than_index(index: Index, steps_dir: str, unnamed: list[str]) -> None:
+    created = _created(index)
+    if created is None:
+        return
+    older = []
+    for entry in unnamed:
+        if entry.endswith(".partial"):
+            continue  # never committed
+        try:
+            st = os.lstat(os.path.join(steps_dir, entry))
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISLNK(st.st_mode) and st.st_mtime < created - CLOCK_SLACK_S:
+            older.append(entry)
+    if older:
+        run_dir = os.path.dirname(steps_dir)
+        shown = ", ".join(older[:5]) + (f" and {len(older) - 5} more" if len(older) > 5 else "")
+        raise CorruptionError(
+            f"the index of {run_dir} does not name {len(older)} finished step unit(s) older than the index "
+            f"itself ({shown}): the index is younger than its step data (lost and rebuilt, or replaced), so "
+            f"they may be committed steps; nothing was changed. Rebuild the index with: datastates-hist repair "
+            f"{run_dir} (a step whose removal by prune or truncate was cut short then comes back: remove it again)"
+        )
+
+
+def _created(index: Index) -> float | None:
+    """When the index was created (its ``created`` meta value), if it says."""
+    try:
+        return float(index.meta("created"))
+    except (TypeError, ValueError):
+        return None

@@ -196,18 +196,30 @@ def diff_steps(ha: History, a: int, hb: History, b: int, names=None):
 
 
 def compare(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    """Difference metrics of two tensors of the same shape, computed in float64."""
-    changed = float((x != y).sum()) / x.numel() if x.numel() else 0.0
-    if x.is_complex():
+    """Difference metrics of two tensors of the same shape, computed in float64.
+
+    A position holding NaN in both tensors counts as unchanged and is left out of
+    every metric; a position equal in both (equal infinities too) has difference 0.
+    So two identical steps compare as unchanged (``l2``, ``rel_l2``, ``max_abs`` and
+    ``frac_changed`` 0) whatever they hold. NaN against a number is a change, and
+    makes ``l2``, ``rel_l2``, ``max_abs`` and ``cosine`` NaN.
+    """
+    numel = x.numel()
+    parts = x.is_complex()  # compared as (real, imaginary) pairs
+    if parts:
         x, y = torch.view_as_real(x), torch.view_as_real(y)
-    xd, yd = x.to(torch.float64).reshape(-1), y.to(torch.float64).reshape(-1)
-    d = yd - xd
+    both_nan = torch.isnan(x) & torch.isnan(y)
+    same = (x == y) | both_nan  # in the stored dtype: float64 would merge large int64s
+    changed = float((~(same.all(-1) if parts else same)).sum()) / numel if numel else 0.0
+    kept = ~both_nan
+    xd, yd = x[kept].to(torch.float64), y[kept].to(torch.float64)
+    d = torch.where(same[kept], 0.0, yd - xd)  # equal infinities differ by 0, not NaN
     l2 = float(torch.linalg.vector_norm(d)) if d.numel() else 0.0
     nx = float(torch.linalg.vector_norm(xd)) if xd.numel() else 0.0
     ny = float(torch.linalg.vector_norm(yd)) if yd.numel() else 0.0
     return {
         "l2": l2,
-        "rel_l2": l2 / nx if nx else (0.0 if l2 == 0 else math.inf),
+        "rel_l2": 0.0 if l2 == 0 else (l2 / nx if nx else math.inf),
         "max_abs": float(d.abs().max()) if d.numel() else 0.0,
         "cosine": float(torch.dot(xd, yd)) / (nx * ny) if nx and ny else math.nan,
         "frac_changed": changed,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from .errors import CorruptionError, FormatError, StoreNotFoundError
 from .items import TensorRecord
+from .layout import finished_units, steps_dir
 
 FORMAT_VERSION = 1
 INDEX_FILE = "index.sqlite"
@@ -45,6 +46,13 @@ CREATE TABLE IF NOT EXISTS tensors (
 );
 """
 
+_COLUMNS = {
+    "meta": ("key", "value"),
+    "steps": ("step", "time", "backend", "location", "nbytes", "ntensors", "tier", "manifest_checksum"),
+    "tensors": ("step", "name", "dtype", "shape", "nbytes", "checksum", "encoding",
+                "norm", "min", "max", "mean", "std", "nonfinite"),
+}
+
 STAT_KEYS = ("norm", "min", "max", "mean", "std", "nonfinite")
 
 
@@ -73,10 +81,14 @@ def _connect(path: str, readonly: bool) -> sqlite3.Connection:
         conn = sqlite3.connect(uri, uri=True, timeout=30, check_same_thread=False)
     else:
         conn = sqlite3.connect(path, timeout=30, check_same_thread=False)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
     conn.execute("PRAGMA foreign_keys=ON")
     return conn
+
+
+def _make_durable(conn: sqlite3.Connection) -> None:
+    """The writer's settings (set after the index was found usable: they write to it)."""
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
 
 
 # SQLite errors that say the index could not be opened, not that it is damaged.
@@ -88,39 +100,60 @@ class Index:
     """One connection to a run's index (use one per thread)."""
 
     def __init__(self, run_dir: str, create: bool = False, backend: str | None = None):
-        self.path = index_path(run_dir)
+        self.path, self.run_dir = index_path(run_dir), run_dir
         self.conn = None
         try:
-            if not os.path.exists(self.path):
-                if not create:
-                    raise StoreNotFoundError(f"{run_dir} is not a datastates-hist run (no {INDEX_FILE})")
-                self.conn = _connect(self.path, readonly=False)
-                with self.conn:  # one transaction: readers never see half a schema
-                    self.conn.executescript("BEGIN;" + SCHEMA)
-                    self.conn.executemany(
-                        "INSERT OR IGNORE INTO meta VALUES (?, ?)",
-                        [("format_version", str(FORMAT_VERSION)), ("backend", backend or ""),
-                         ("created", str(time.time()))],
-                    )
-            else:
-                self.conn = _connect(self.path, readonly=not create)
-                if not create and not self.conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone():
-                    raise StoreNotFoundError(  # a writer is creating it (or it was emptied)
-                        f"{run_dir} has an empty index ({INDEX_FILE} has no tables): it is being "
-                        f"created, or it was lost (then rebuild it with: datastates-hist repair {run_dir})"
-                    )
+            existed = os.path.exists(self.path)
+            if not existed and not create:
+                raise StoreNotFoundError(f"{run_dir} is not a datastates-hist run (no {INDEX_FILE})")
+            self.conn = _connect(self.path, readonly=not create)
+            empty = not self.conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone()
+            if empty and existed:
+                self._check_may_be_created(create)
+            if create:
+                _make_durable(self.conn)
+            if empty:
+                self._create_schema(backend)
             self._check_format(run_dir)
         except sqlite3.DatabaseError as exc:
             self.close()
-            if getattr(exc, "sqlite_errorname", "").startswith(_NOT_DAMAGE):
-                raise FormatError(f"the index of {run_dir} cannot be read: {exc}") from exc
-            raise CorruptionError(
-                f"the index {self.path} is damaged ({exc}); rebuild it from the step data with: "
-                f"datastates-hist repair {run_dir}"
-            ) from exc
+            raise self._error(exc) from exc
         except BaseException:
             self.close()
             raise
+
+    def _error(self, exc: sqlite3.DatabaseError) -> Exception:
+        if getattr(exc, "sqlite_errorname", "").startswith(_NOT_DAMAGE):
+            return FormatError(f"the index of {self.run_dir} cannot be read: {exc}")
+        return CorruptionError(f"the index {self.path} is damaged ({exc}); rebuild it from the step "
+                               f"data with: datastates-hist repair {self.run_dir}")
+
+    def _check_may_be_created(self, writer: bool) -> None:
+        """An index without tables (zero-length, say) is being created, or was left
+        so by a writer that stopped while creating it, only while no step data lies
+        beside it (a writer creates the index before any step): then the writer,
+        which holds the run's lock, creates it. Beside step data it was lost."""
+        units = finished_units(self.run_dir)
+        if units:
+            raise CorruptionError(
+                f"the index {self.path} is damaged (it holds no tables) while {steps_dir(self.run_dir)} "
+                f"holds {len(units)} step unit(s): it was lost; rebuild it from the step data with: "
+                f"datastates-hist repair {self.run_dir}"
+            )
+        if not writer:
+            raise StoreNotFoundError(
+                f"{self.run_dir} has an empty index ({INDEX_FILE} has no tables) and no step data: a writer "
+                "is creating it, or stopped before it did (the next writer creates it)"
+            )
+
+    def _create_schema(self, backend: str | None) -> None:
+        with self.conn:  # one transaction: readers never see half a schema
+            self.conn.executescript("BEGIN;" + SCHEMA)
+            self.conn.executemany(
+                "INSERT OR IGNORE INTO meta VALUES (?, ?)",
+                [("format_version", str(FORMAT_VERSION)), ("backend", backend or ""),
+                 ("created", str(time.time()))],
+            )
 
     def _check_format(self, run_dir: str) -> None:
         # quick_check walks every page once (about 0.1 s for 1000 steps of 300
@@ -128,17 +161,43 @@ class Index:
         found = [r[0] for r in self.conn.execute("PRAGMA quick_check")]
         if found != ["ok"]:
             raise sqlite3.DatabaseError("; ".join(found[:3]))
+        self._check_schema()
         row = self.conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()
-        version = int(row[0]) if row else 0
+        try:
+            version = int(row[0]) if row else 0
+        except (TypeError, ValueError):
+            raise sqlite3.DatabaseError(f"its format version is {row[0]!r}, not a number") from None
         if version > FORMAT_VERSION:
             raise FormatError(
                 f"{run_dir} was written in format version {version}; this datastates-hist "
                 f"reads up to version {FORMAT_VERSION}: upgrade datastates-hist"
             )
 
+    def _check_schema(self) -> None:
+        """The tables and columns this version reads: an index missing one is damaged
+        (a query would otherwise fail later with SQLite's own message)."""
+        for table, columns in _COLUMNS.items():
+            found = tuple(r[1] for r in self.conn.execute(f"PRAGMA table_info({table})"))
+            if found[:len(columns)] != columns:
+                what = "is missing" if not found else f"has the columns {list(found)}"
+                raise sqlite3.DatabaseError(f"its table {table!r} {what}")
+
+    def backend(self, asked: str | None = None) -> str:
+        """The backend of the run: ``asked`` if given, else the one the index names
+        (``adios2`` for a new run); an unknown stored name is a :class:`FormatError`."""
+        from .backends import backend_names
+
+        name = asked or self.meta("backend") or "adios2"
+        if not asked and name not in backend_names():
+            raise FormatError(
+                f"{os.path.dirname(self.path)} was written with the backend {name!r}, which this "
+                f"installation does not have (available: {', '.join(backend_names())})"
+            )
+        return name
+
     def meta(self, key: str) -> str | None:
-        row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        return row[0] if row else None
+        rows = self._read("SELECT value FROM meta WHERE key=?", (key,))
+        return rows[0][0] if rows else None
 
     def commit_step(self, row: StepRow, records: list[TensorRecord]) -> None:
         """Make a step visible: its row and its tensors in one transaction."""
@@ -159,40 +218,55 @@ class Index:
             self.conn.executemany("DELETE FROM steps WHERE step=?", [(s,) for s in steps])
 
     def steps(self) -> list[int]:
-        return [r[0] for r in self.conn.execute("SELECT step FROM steps ORDER BY step")]
+        return [r[0] for r in self._read("SELECT step FROM steps ORDER BY step")]
 
     def step_rows(self) -> list[StepRow]:
-        return [StepRow(*r) for r in self.conn.execute("SELECT * FROM steps ORDER BY step")]
+        return [StepRow(*r) for r in self._read("SELECT * FROM steps ORDER BY step")]
 
     def step_row(self, step: int) -> StepRow | None:
-        r = self.conn.execute("SELECT * FROM steps WHERE step=?", (step,)).fetchone()
-        return StepRow(*r) if r else None
+        rows = self._read("SELECT * FROM steps WHERE step=?", (step,))
+        return StepRow(*rows[0]) if rows else None
 
     def latest(self) -> int | None:
-        r = self.conn.execute("SELECT MAX(step) FROM steps").fetchone()
-        return r[0]
+        return self._read("SELECT MAX(step) FROM steps")[0][0]
 
     def records(self, step: int) -> list[TensorRecord]:
-        rows = self.conn.execute(
+        rows = self._read(
             "SELECT name, dtype, shape, nbytes, checksum, encoding, norm, min, max, mean, std,"
             " nonfinite FROM tensors WHERE step=? ORDER BY rowid", (step,)
         )
-        return [
-            TensorRecord(name, dtype, tuple(json.loads(shape)), nbytes, checksum, encoding,
-                         {k: v for k, v in zip(STAT_KEYS, stats) if v is not None})
-            for name, dtype, shape, nbytes, checksum, encoding, *stats in rows
-        ]
+        try:
+            return [
+                TensorRecord.from_json({
+                    "name": name, "dtype": dtype, "shape": json.loads(shape), "nbytes": nbytes,
+                    "checksum": checksum, "encoding": encoding,
+                    "stats": {k: v for k, v in zip(STAT_KEYS, stats) if v is not None}})
+                for name, dtype, shape, nbytes, checksum, encoding, *stats in rows
+            ]
+        except ValueError as exc:  # a damaged or crafted row: named before its sizes are used
+            raise CorruptionError(
+                f"the index {self.path} is damaged: step {step}: {exc} (rebuild it from the step data "
+                f"with: datastates-hist repair {self.run_dir})"
+            ) from None
 
     def tensor_stats(self, name: str) -> list[tuple]:
         """``(step, time, norm, min, max, mean, std, nonfinite)`` of tensor ``name`` at every step."""
-        return self.conn.execute(
+        return self._read(
             "SELECT t.step, s.time, t.norm, t.min, t.max, t.mean, t.std, t.nonfinite"
             " FROM tensors t JOIN steps s ON s.step = t.step WHERE t.name=? ORDER BY t.step",
             (name,),
-        ).fetchall()
+        )
 
     def tensor_names(self) -> list[str]:
-        return [r[0] for r in self.conn.execute("SELECT DISTINCT name FROM tensors ORDER BY name")]
+        return [r[0] for r in self._read("SELECT DISTINCT name FROM tensors ORDER BY name")]
+
+    def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
+        """The rows of a query; a page or a text that SQLite cannot read (which
+        ``quick_check`` at open does not see) is named as damage of the index."""
+        try:
+            return self.conn.execute(sql, args).fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise self._error(exc) from exc
 
     def close(self) -> None:
         if self.conn is not None:

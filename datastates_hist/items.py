@@ -6,10 +6,15 @@ tensors; the backends store them; the index records them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .dtypes import storage_dtype, torch_dtype
+
+MAX_DIM = 2 ** 63 - 1  # numpy's dimensions are signed 64-bit
 
 
 def under(name: str, prefix: str) -> bool:
@@ -78,11 +83,80 @@ class TensorRecord:
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorRecord":
-        return cls(
-            name=data["name"], dtype=data["dtype"], shape=tuple(data["shape"]),
-            nbytes=int(data["nbytes"]), checksum=data.get("checksum", ""),
-            encoding=data.get("encoding", "raw"), stats=dict(data.get("stats", {})),
-            global_shape=tuple(data["global_shape"]) if "global_shape" in data else None,
-            offset=tuple(data["offset"]) if "offset" in data else None,
-            blocks=list(data["blocks"]) if "blocks" in data else None,
-        )
+        """The record of a manifest entry, checked (see :meth:`check`): a manifest
+        may be damaged or crafted. Raises ValueError naming the tensor."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a tensor entry is not a record: {str(data)[:80]!r}")
+        try:
+            rec = cls(
+                name=data["name"], dtype=data["dtype"], shape=_tuple(data["shape"]),
+                nbytes=data["nbytes"], checksum=data.get("checksum", ""),
+                encoding=data.get("encoding", "raw"), stats=dict(data.get("stats", {})),
+                global_shape=_tuple(data["global_shape"]) if "global_shape" in data else None,
+                offset=_tuple(data["offset"]) if "offset" in data else None,
+                blocks=data["blocks"] if "blocks" in data else None,
+            )
+        except KeyError as exc:
+            raise ValueError(f"the record of tensor {data.get('name')!r} has no {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the record of tensor {data.get('name')!r} is malformed: {exc}") from None
+        rec.check()
+        return rec
+
+    def check(self) -> None:
+        """Raise ValueError naming the tensor unless its declared sizes agree:
+        dimensions are integers from 0 to 2**63-1, shape x the stored dtype's
+        itemsize is ``nbytes``, and blocks lie inside the shape and hold every
+        element once. Checked before anything is allocated for the tensor."""
+        name = self.name
+        if not isinstance(name, str):
+            raise ValueError(f"a tensor record is named {name!r}, not by a string")
+        for what in ("shape", "global_shape", "offset"):
+            dims = getattr(self, what)
+            if (what == "shape" or dims is not None) and not _is_dims(dims):
+                raise ValueError(f"tensor {name!r} has {what} {_shown(dims)}: each dimension must be an "
+                                 "integer from 0 to 2**63-1")
+        try:
+            itemsize = storage_dtype(torch_dtype(self.dtype)).itemsize
+        except TypeError:
+            raise ValueError(f"tensor {name!r} has an unknown dtype {self.dtype!r}") from None
+        expected = math.prod(self.shape) * itemsize
+        if not _is_int(self.nbytes) or self.nbytes != expected:
+            raise ValueError(f"tensor {name!r} declares shape {list(self.shape)} of {self.dtype}, which is "
+                             f"{expected} bytes, but records {self.nbytes!r} bytes")
+        if self.blocks is not None:
+            self._check_blocks()
+
+    def _check_blocks(self) -> None:
+        if not isinstance(self.blocks, list):
+            raise ValueError(f"tensor {self.name!r} has blocks {_shown(self.blocks)}, not a list")
+        for b in self.blocks:
+            ok = (isinstance(b, dict) and _is_dims(_tuple(b.get("start")))
+                  and _is_dims(_tuple(b.get("count")))
+                  and len(b["start"]) == len(self.shape) == len(b["count"])
+                  and all(s + c <= n for s, c, n in zip(b["start"], b["count"], self.shape))
+                  and (b.get("part") is None or _is_int(b["part"])) and isinstance(b.get("checksum", ""), str))
+            if not ok:
+                raise ValueError(f"tensor {self.name!r} has a malformed block: {b!r}")
+        total = math.prod(self.shape)
+        held = sum(math.prod(b["count"]) for b in self.blocks)
+        if total and held != total:
+            raise ValueError(f"tensor {self.name!r} of shape {list(self.shape)}: its blocks hold {held} of its "
+                             f"{total} elements")
+
+
+def _tuple(value):
+    """A JSON list as a tuple; anything else as it is, for :meth:`TensorRecord.check` to name."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_dims(dims) -> bool:
+    return isinstance(dims, tuple) and all(_is_int(d) and 0 <= d <= MAX_DIM for d in dims)
+
+
+def _shown(value) -> str:
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)

@@ -6,7 +6,8 @@ prefixes the names a provider gives (``model/``, ``optim/``, ``extra/<key>/``,
 
 Restore runs in two phases so that a strict restore changes nothing when any
 target does not match: :meth:`StateProvider.check` for every target first,
-then :meth:`StateProvider.load`.
+then :meth:`StateProvider.load`. A non-strict restore loads no target whose
+problems concern it whole (:meth:`StateProvider.leaves_unloaded`).
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ class Problems:
         return bool(self.missing or self.unexpected or self.mismatched)
 
     def extend(self, other: "Problems", prefix: str) -> None:
-        self.missing += [prefix + n for n in other.missing]
-        self.unexpected += [prefix + n for n in other.unexpected]
-        self.mismatched += [(prefix + n, e, f) for n, e, f in other.mismatched]
+        """Add the problems of the object at ``prefix`` (its names are relative to it)."""
+        full = lambda n: f"{prefix}/{n}" if n else prefix  # noqa: E731 -- "" names the object itself
+        self.missing += [full(n) for n in other.missing]
+        self.unexpected += [full(n) for n in other.unexpected]
+        self.mismatched += [(full(n), e, f) for n, e, f in other.mismatched]
 
 
 class StoredState:
@@ -105,9 +108,16 @@ class StateProvider(ABC):
         """What would not load; the default compares with :meth:`items`."""
         return compare(self.items(obj, ctx), state)
 
+    def leaves_unloaded(self, problems: Problems) -> bool:
+        """Whether a non-strict restore leaves ``obj`` as it was, given what :meth:`check`
+        found: by default any problem does (all or nothing, as ``load_state_dict``);
+        providers that load item by item override it."""
+        return bool(problems)
+
     @abstractmethod
     def load(self, obj: Any, state: StoredState, ctx: Context) -> Any:
-        """Load what matches into ``obj`` (in place where it can) and return the result."""
+        """Load what matches into ``obj`` (in place where it can) and return the result.
+        Called only when :meth:`leaves_unloaded` is false."""
 
     def destinations(self, obj: Any, ctx: Context) -> dict[str, torch.Tensor]:
         """Live CPU tensors of ``obj`` that restore may read straight into (by relative
@@ -150,6 +160,7 @@ def matching(expected: Mapping[str, torch.Tensor], state: StoredState) -> list[s
 def flatten(obj: Any, where: str) -> tuple[Any, dict[str, torch.Tensor]]:
     """Split a nested structure into safe JSON data with placeholders, and its tensors."""
     tensors: dict[str, torch.Tensor] = {}
+    values.check_nesting(obj, where)  # walk() recurses
 
     def walk(x: Any, path: tuple[str, ...]) -> Any:
         name = "/".join(quote(p, safe="") for p in path)
@@ -157,7 +168,7 @@ def flatten(obj: Any, where: str) -> tuple[Any, dict[str, torch.Tensor]]:
             tensors[name] = x.detach()
             return {"__tensor__": name}
         if isinstance(x, np.ndarray) and x.dtype != object:
-            tensors[name] = torch.from_numpy(np.ascontiguousarray(x))
+            tensors[name] = values.array_tensor(x, f"{where}/{name}" if name else where)
             return {"__ndarray__": name}
         if isinstance(x, dict):
             if all(isinstance(k, str) for k in x) and not any(k in values.TAGS for k in x):

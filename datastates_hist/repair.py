@@ -4,38 +4,57 @@ Each step unit in ``RUN/steps/`` is self-describing: its ``__manifest__``
 holds the step number, the format version, every tensor record and the plain
 values. So a damaged or lost ``index.sqlite`` can be rebuilt:
 
-1. take the writer lock (no writer may run meanwhile);
-2. move the old index (and its ``-wal``/``-shm`` files) aside as
-   ``index.sqlite.damaged-<time>``;
-3. create a new index and commit one row per unit whose manifest parses and
-   whose tensors all match their checksums, in step order. Commit times are
-   taken from the old index where it can still be read, else from the unit's
-   modification time.
+1. take the writer lock (no writer may run meanwhile), and remove what a
+   killed repair left (``RUN/index.sqlite.rebuilding/``);
+2. build the new index aside, in ``RUN/index.sqlite.rebuilding/index.sqlite``:
+   one row per unit whose manifest parses and whose tensors all match their
+   checksums. Commit times are taken from the old index where it can still be
+   read, else from the unit's modification time. Nothing of the run is changed
+   yet, so a repair killed here leaves the run as it was;
+3. fsync the new index (one file: its journal mode is DELETE, no ``-wal``),
+   move units that cannot be committed to ``RUN/damaged/``, move the old
+   index (and its ``-wal``/``-shm`` files) aside as
+   ``index.sqlite.damaged-<time>``, rename the new one into place and fsync
+   the run folder. Killed between the last two renames, the run has no index,
+   and writers refuse it until the next repair.
+
+The new index's ``created`` time is that of the repair, after every unit it
+names was written: a later writer refuses to delete a finished unit the index
+does not name and that is older than the index (see
+:func:`datastates_hist.commit.remove_uncommitted`).
 
 Units that cannot be committed (damaged, of a newer format, a second unit of
-the same step) are moved to ``RUN/damaged/``, never deleted, so that a later
-writer does not remove them as uncommitted. ``.partial`` units were never
-committed and are left for the next writer to remove.
+the same step, a step number the index cannot hold, a symbolic link out of
+``steps/``) are moved to ``RUN/damaged/``, never deleted, so that a later
+writer does not remove them as uncommitted. To try one again (say, after a
+fix of the library), move it back into ``RUN/steps/`` and run repair again.
+``.partial`` units were never committed and are left for the next writer to
+remove.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
-from .backends import get_backend
+from .backends import backend_names, get_backend
+from .backends.base import fsync_dir, fsync_path
+from .backends.ranks import RANKS_SUFFIX, rank_file
 from .checkpointer import _take_lock
 from .digest import checksum_bytes
 from .errors import CorruptionError, FormatError, StoreNotFoundError
-from .index import FORMAT_VERSION, Index, StepRow, index_path
+from .index import FORMAT_VERSION, INDEX_FILE, Index, StepRow, index_path
 from .items import TensorRecord
 from .store import StepData, steps_dir
 
 DAMAGED_DIR = "damaged"
-BACKEND_OF_SUFFIX = {".bp": "adios2", ".h5": "hdf5"}
+REBUILDING_DIR = INDEX_FILE + ".rebuilding"  # the new index is built here, then renamed into place
+MAX_STEP = 2**63 - 1  # the largest SQLite INTEGER
 
 
 @dataclass
@@ -49,6 +68,8 @@ class RepairReport:
         steps: the steps committed in the new index.
         set_aside: unit -> why it could not be committed (moved to ``RUN/damaged/``).
         lost: steps the old index named that have no data at all.
+        leftover_removed: whether a new index left by a killed repair was removed.
+        in_damaged: what ``RUN/damaged/`` holds (set aside by this repair or an earlier one).
     """
 
     diagnosis: str
@@ -57,6 +78,8 @@ class RepairReport:
     steps: list[int] = field(default_factory=list)
     set_aside: dict[str, str] = field(default_factory=dict)
     lost: list[int] = field(default_factory=list)
+    leftover_removed: bool = False
+    in_damaged: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -77,8 +100,8 @@ def diagnose(run_dir: str) -> str | None:
         return str(exc)
     try:
         named = {r.location for r in index.step_rows()}
-    except sqlite3.DatabaseError as exc:
-        return f"the index {index.path} is damaged ({exc})"
+    except CorruptionError as exc:  # a row SQLite cannot read
+        return str(exc)
     finally:
         index.close()
     units = set(_units(run_dir))
@@ -102,25 +125,29 @@ def repair_run(run_dir: str, force: bool = False, verify: bool = True) -> Repair
         StoreNotFoundError: ``run_dir`` has no ``steps/`` folder.
         StoreLockedError: a writer holds the run.
         FormatError: the run was written by a newer datastates-hist.
+        ImportError: a unit needs a backend whose package is not installed
+            (nothing was changed).
     """
     run_dir = os.fspath(run_dir)
     if not os.path.isdir(steps_dir(run_dir)):
         raise StoreNotFoundError(f"no run at {run_dir} (no steps/ folder)")
     lock_fd = _take_lock(run_dir)
     try:
+        leftover_removed = _remove_rebuilding(run_dir)
         diagnosis = diagnose(run_dir)
         if diagnosis is None and not force:
-            return RepairReport("the index is healthy; nothing to repair (use --force to rebuild it anyway)")
-        report = RepairReport(diagnosis or "rebuilt on request (--force)", rebuilt=True)
-        old_times = _old_commit_times(run_dir)
-        found, bad = _scan(run_dir, old_times, verify)  # reads only: nothing is changed yet
-        report.moved_index = _move_index_aside(run_dir)
-        for unit, why in bad:
-            _set_aside(run_dir, unit, why, report)
-        _write_index(run_dir, found, report)
-        with_data = {int(u.split(".")[0]) for u in _units(run_dir) + list(report.set_aside)
-                     if u.split(".")[0].isdigit()}
-        report.lost = sorted(set(old_times) - with_data)
+            report = RepairReport("the index is healthy; nothing to repair (use --force to rebuild it anyway)")
+        else:
+            report = RepairReport(diagnosis or "rebuilt on request (--force)", rebuilt=True)
+            old_times = _old_commit_times(run_dir)
+            new_index, report.steps, bad = _build_aside(run_dir, old_times, verify)  # the run is unchanged so far
+            for unit, why in bad:
+                _set_aside(run_dir, unit, why, report)
+            report.moved_index = _swap_in(run_dir, new_index)
+            with_data = {_step_of(u) for u in _units(run_dir) + list(report.set_aside)} - {None}
+            report.lost = sorted(set(old_times) - with_data)
+        report.leftover_removed = leftover_removed
+        report.in_damaged = _in_damaged(run_dir)
         return report
     finally:
         os.close(lock_fd)
@@ -129,6 +156,17 @@ def repair_run(run_dir: str, force: bool = False, verify: bool = True) -> Repair
 def _units(run_dir: str) -> list[str]:
     """Finished step units (not ``.partial``) in ``steps/``, sorted."""
     return sorted(e for e in os.listdir(steps_dir(run_dir)) if not e.endswith(".partial"))
+
+
+def _step_of(unit: str) -> int | None:
+    """The step a unit's name (``<step><suffix>``) says, or None."""
+    stem = os.path.splitext(unit)[0]
+    return int(stem) if stem.isascii() and stem.isdigit() else None
+
+
+def _in_damaged(run_dir: str) -> list[str]:
+    folder = os.path.join(run_dir, DAMAGED_DIR)
+    return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
 
 
 def _old_commit_times(run_dir: str) -> dict[int, float]:
@@ -146,63 +184,137 @@ def _old_commit_times(run_dir: str) -> dict[int, float]:
         return {}
 
 
-def _move_index_aside(run_dir: str) -> str | None:
-    """Rename the index and its WAL files to ``index.sqlite.damaged-<time>``; the
-    WAL must go too, or the new index would replay the old one's log."""
-    path = index_path(run_dir)
-    if not os.path.exists(path):
-        for side in ("-wal", "-shm"):  # orphans of a lost index
-            if os.path.exists(path + side):
-                os.remove(path + side)
-        return None
-    aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
-    while os.path.exists(aside):
-        aside += "x"
-    for side in ("", "-wal", "-shm"):
-        if os.path.exists(path + side):
-            os.rename(path + side, aside + side)
-    return aside
+# --- building the new index aside -----------------------------------------------------------
+
+def _remove_rebuilding(run_dir: str) -> bool:
+    """Remove the half-built index of a killed repair (with its journal); whether there was one."""
+    folder = os.path.join(run_dir, REBUILDING_DIR)
+    if not os.path.lexists(folder):
+        return False
+    if os.path.isdir(folder) and not os.path.islink(folder):
+        shutil.rmtree(folder)
+    else:
+        os.remove(folder)
+    return True
 
 
-def _scan(run_dir: str, old_times: dict[int, float], verify: bool):
-    """Read every finished unit: ``(found, bad)``, found as ``(row, records)``
-    in step order, bad as ``(unit, why)``."""
-    found: dict[int, tuple[StepRow, list[TensorRecord]]] = {}
-    bad: list[tuple[str, str]] = []
-    for unit in _units(run_dir):
+def _build_aside(run_dir: str, old_times: dict[int, float], verify: bool):
+    """Write the new index in ``RUN/index.sqlite.rebuilding/``, one row per intact unit
+    as it is read: ``(its path, the steps committed, [(unit, why) for the units that
+    cannot be committed])``."""
+    units = _units(run_dir)
+    backends = _backends_by_suffix()
+    known = [b for b in (_backend_of(run_dir, u, backends, strict=False) for u in units) if b]
+    main = Counter(known).most_common(1)[0][0] if known else "adios2"
+    folder = os.path.join(run_dir, REBUILDING_DIR)
+    os.mkdir(folder)
+    try:
+        index = Index(folder, create=True, backend=main)
         try:
-            row, records = _read_unit(run_dir, unit, old_times, verify)
+            # one file that travels alone (no -wal); fsynced once, whole, before it is renamed in
+            index.conn.execute("PRAGMA journal_mode=DELETE")
+            index.conn.execute("PRAGMA synchronous=OFF")
+            steps, bad = _commit_units(run_dir, index, units, backends, old_times, verify)
+        finally:
+            index.close()
+        fsync_path(index_path(folder))
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return index_path(folder), steps, bad
+
+
+def _commit_units(run_dir: str, index: Index, units: list[str], backends, old_times: dict[int, float],
+                  verify: bool) -> tuple[list[int], list[tuple[str, str]]]:
+    bad: list[tuple[str, str]] = []
+    seen: set[int] = set()
+    for unit in units:
+        try:
+            row, records = _read_unit(run_dir, unit, backends, old_times, verify)
         except ImportError:
             raise  # a missing backend package says nothing about the data
         except Exception as exc:  # a damaged unit may fail in any way its library chooses
             bad.append((unit, str(exc)))
             continue
-        if row.step in found:
+        if row.step in seen:
             bad.append((unit, f"a second unit of step {row.step}"))
             continue
-        found[row.step] = (row, records)
-    return [found[s] for s in sorted(found)], bad
+        seen.add(row.step)
+        index.commit_step(row, records)
+    return sorted(seen), bad
 
 
-def _write_index(run_dir: str, found, report: RepairReport) -> None:
-    backends = [row.backend for row, _ in found]
-    main = max(set(backends), key=backends.count) if backends else "adios2"
-    index = Index(run_dir, create=True, backend=main)
-    try:
-        for row, records in found:
-            index.commit_step(row, records)
-            report.steps.append(row.step)
-    finally:
-        index.close()
+def _swap_in(run_dir: str, new_index: str) -> str | None:
+    """Move the old index aside and rename ``new_index`` into place (durably);
+    where the old index went. The old main file goes first: until the new one is
+    in place the run has no index (writers refuse it), never the old file
+    without its ``-wal`` (steps committed in the WAL would look uncommitted)."""
+    path = index_path(run_dir)
+    aside = None
+    if os.path.exists(path):
+        aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+        while any(os.path.lexists(aside + side) for side in ("", "-wal", "-shm")):
+            aside += "x"
+    for side in ("", "-wal", "-shm"):
+        if os.path.lexists(path + side):
+            if aside is None:
+                os.remove(path + side)  # the WAL files of a lost index: it must not replay into the new one
+            else:
+                os.rename(path + side, aside + side)
+    os.rename(new_index, path)
+    fsync_dir(run_dir)
+    os.rmdir(os.path.dirname(new_index))
+    return aside
 
 
-def _read_unit(run_dir: str, unit: str, old_times: dict[int, float],
+# --- reading one unit -----------------------------------------------------------------------
+
+def _backends_by_suffix() -> tuple[dict[str, str], list[ImportError]]:
+    """Suffix of a step's file -> backend name, from the backend registry; and the
+    errors of the backends whose packages cannot be imported."""
+    by_suffix: dict[str, str] = {}
+    missing: list[ImportError] = []
+    for name in backend_names():
+        try:
+            by_suffix.setdefault(get_backend(name).suffix, name)
+        except ImportError as exc:
+            missing.append(exc)
+    return by_suffix, missing
+
+
+def _backend_of(run_dir: str, unit: str, backends, strict: bool = True) -> str | None:
+    """The backend that wrote ``unit``: by its suffix (``<step><suffix>``) or, for a
+    step of several ranks (``<step>.ranks/``), by the suffix of rank 0's file in it.
+    Raises (or, not ``strict``, returns None) when no backend matches."""
+    by_suffix, missing = backends
+    stem, suffix = os.path.splitext(unit)
+    if suffix == RANKS_SUFFIX:
+        folder = os.path.join(steps_dir(run_dir), unit)
+        for suffix, name in by_suffix.items():
+            if os.path.exists(os.path.join(folder, rank_file(0, suffix))):
+                return name
+        expected = f"rank 0's {' or '.join(rank_file(0, s) for s in by_suffix)} in it"
+    elif suffix in by_suffix:
+        return by_suffix[suffix]
+    else:
+        expected = f"<step>{'|'.join([*by_suffix, RANKS_SUFFIX])}"
+    if not strict:
+        return None
+    if missing:
+        raise missing[0]  # perhaps the backend of this unit: repairing without it would set it aside
+    raise ValueError(f"not a step unit (expected {expected})")
+
+
+def _read_unit(run_dir: str, unit: str, backends, old_times: dict[int, float],
                verify: bool) -> tuple[StepRow, list[TensorRecord]]:
     """The index row and records of one unit, from its manifest; raises if damaged."""
-    stem, suffix = os.path.splitext(unit)
-    if suffix not in BACKEND_OF_SUFFIX or not stem.isdigit():
-        raise ValueError(f"not a step unit (expected <step>{'|'.join(BACKEND_OF_SUFFIX)})")
-    backend = BACKEND_OF_SUFFIX[suffix]
+    _check_inside_steps(run_dir, unit)
+    step = _step_of(unit)
+    if step is None:
+        raise ValueError("not a step unit (its name is not <step> and a suffix)")
+    if step > MAX_STEP:
+        raise ValueError(f"step {step} does not fit the index (SQLite holds steps up to 2**63-1)")
+    backend = _backend_of(run_dir, unit, backends)
     reader = get_backend(backend).open_step(steps_dir(run_dir), unit)
     try:
         raw = reader.manifest()
@@ -210,11 +322,11 @@ def _read_unit(run_dir: str, unit: str, old_times: dict[int, float],
         if int(doc["format_version"]) > FORMAT_VERSION:
             raise FormatError(f"written in format version {doc['format_version']}; "
                               f"this datastates-hist writes up to {FORMAT_VERSION}")
-        if doc["step"] != int(stem):
-            raise CorruptionError(f"its manifest is of step {doc['step']}, its name says {int(stem)}")
+        if doc["step"] != step:
+            raise CorruptionError(f"its manifest is of step {doc['step']}, its name says {step}")
         records = [TensorRecord.from_json(r) for r in doc["tensors"]]
         row = StepRow(
-            step=int(stem), time=old_times.get(int(stem), _mtime(run_dir, unit)), backend=backend,
+            step=step, time=old_times.get(step, _mtime(run_dir, unit)), backend=backend,
             location=unit, nbytes=sum(r.nbytes for r in records), ntensors=len(records),
             tier="full", manifest_checksum=checksum_bytes(raw),
         )
@@ -227,16 +339,30 @@ def _read_unit(run_dir: str, unit: str, old_times: dict[int, float],
         reader.close()
 
 
+def _check_inside_steps(run_dir: str, unit: str) -> None:
+    """Refuse a symbolic link that leads out of ``steps/``: the run's data lies inside it."""
+    path = os.path.join(steps_dir(run_dir), unit)
+    if not os.path.islink(path):
+        return
+    inside = os.path.realpath(steps_dir(run_dir))
+    if os.path.commonpath([os.path.realpath(path), inside]) != inside:
+        raise ValueError(f"a symbolic link to {os.readlink(path)}, outside steps/: "
+                         "not followed (step data must lie inside the run)")
+
+
 def _mtime(run_dir: str, unit: str) -> float:
     return os.path.getmtime(os.path.join(steps_dir(run_dir), unit))
 
 
 def _set_aside(run_dir: str, unit: str, why: str, report: RepairReport) -> None:
-    """Move a unit that cannot be committed to ``RUN/damaged/`` (kept, not deleted)."""
+    """Move a unit that cannot be committed to ``RUN/damaged/`` (kept, not deleted;
+    a symbolic link is moved, not its target)."""
     folder = os.path.join(run_dir, DAMAGED_DIR)
     os.makedirs(folder, exist_ok=True)
     target = os.path.join(folder, unit)
-    while os.path.exists(target):
+    while os.path.lexists(target):
         target += "x"
     os.rename(os.path.join(steps_dir(run_dir), unit), target)
+    fsync_dir(folder)
+    fsync_dir(steps_dir(run_dir))
     report.set_aside[unit] = why

@@ -3,7 +3,9 @@
 Phase one asks every target's State Provider what would not match
 (:meth:`StateProvider.check`); a strict restore raises one
 :class:`RestoreMismatchError` listing everything before anything is loaded.
-Phase two loads (:meth:`StateProvider.load`), verifying every tensor's checksum.
+Phase two loads (:meth:`StateProvider.load`), verifying every tensor's checksum;
+a non-strict restore skips the targets whose problems concern them whole
+(:meth:`StateProvider.leaves_unloaded`), leaving them as they were.
 """
 
 from __future__ import annotations
@@ -30,12 +32,17 @@ class Restored:
         extra: every extra value of the step by keyword: the objects loaded in
             place, and plain values, tensors and state dicts rebuilt.
         problems: what did not match (only with ``strict=False``).
+        skipped: the prefixes (``optim``, ``extra/<key>``) of the objects left as they
+            were, because a problem concerns them whole (an optimizer of another type
+            or param-group structure, a state dict of another class); ``extra``
+            holds them as passed.
     """
 
     step: int
     time: float
     extra: dict[str, Any] = field(default_factory=dict)
     problems: Problems = field(default_factory=Problems)
+    skipped: list[str] = field(default_factory=list)
     rng: bool = False  # whether RNG states were restored (not across a change of the number of ranks)
 
 
@@ -65,24 +72,28 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
                 return StoredState(records, vals, lambda rel: data.read(full(rel)),
                                    lambda rel, start, count: data.read_box(full(rel), start, count, verify=True))
 
-            problems = Problems()
+            problems, checked = Problems(), {}
             for prefix, obj in targets.items():
                 if prefix not in objects:
                     problems.missing.append(prefix)
                 else:
-                    problems.extend(provider_for(obj).check(obj, state_of(prefix), ctx), f"{prefix}/")
+                    checked[prefix] = provider_for(obj).check(obj, state_of(prefix), ctx)
+                    problems.extend(checked[prefix], prefix)
             if strict and problems:
                 raise RestoreMismatchError(step, problems.missing, problems.unexpected, problems.mismatched)
-            restored = Restored(step=step, time=data.row.time, problems=problems, rng=rng_prefix in targets)
+            loading = {prefix: targets[prefix] for prefix, found in checked.items()
+                       if not provider_for(targets[prefix]).leaves_unloaded(found)}
+            restored = Restored(step=step, time=data.row.time, problems=problems, rng=rng_prefix in loading,
+                                skipped=[prefix for prefix in checked if prefix not in loading])
             if world_size == 1:  # one process takes whole tensors: read them in one batch
-                into = {f"{prefix}/{rel}": t for prefix, obj in targets.items()
+                into = {f"{prefix}/{rel}": t for prefix, obj in loading.items()
                         for rel, t in provider_for(obj).destinations(obj, ctx).items()}
-                data.prefetch([n for n in data.records if any(under(n, p) for p in targets)], into)
-            for prefix, obj in targets.items():
-                if prefix in objects:
-                    result = provider_for(obj).load(obj, state_of(prefix), ctx)
-                    if prefix.startswith("extra/"):
-                        restored.extra[prefix[6:]] = result
+                data.prefetch([n for n in data.records if any(under(n, p) for p in loading)], into)
+            for prefix in checked:  # in the order of targets
+                obj = targets[prefix]
+                result = provider_for(obj).load(obj, state_of(prefix), ctx) if prefix in loading else obj
+                if prefix.startswith("extra/"):
+                    restored.extra[prefix[6:]] = result
             for prefix, kind in objects.items():
                 key = prefix[6:]
                 if prefix.startswith("extra/") and key not in restored.extra:

@@ -2,8 +2,10 @@
 
 Policies are data: ``KeepLast(10)`` keeps the ten newest steps, ``KeepEvery(100)``
 keeps every step divisible by 100. A step is kept when any policy keeps it; the
-newest committed step is always kept. Pruning deletes the index rows first (one
-transaction: readers stop seeing those steps at once), then the step data.
+newest committed step is always kept. Pruning checks every doomed row's
+location first (a damaged index refuses the whole prune, changing nothing),
+then deletes the index rows (one transaction: readers stop seeing those steps
+at once), then the step data.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Iterable
 
 from .backends import get_backend
 from .index import Index
-from .store import steps_dir
+from .layout import steps_dir, unit_path
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,15 @@ def doomed(steps: list[int], rules: Iterable) -> list[int]:
 
 
 def remove_steps(run_dir: str, index: Index, steps: list[int]) -> list[int]:
-    """Delete committed steps: index rows first (atomically), then their data."""
+    """Delete committed steps: index rows first (atomically), then their data.
+
+    Raises:
+        CorruptionError: a row names data outside ``steps/`` or a symbolic link;
+            then nothing is deleted.
+    """
     rows = [r for r in (index.step_row(s) for s in steps) if r is not None]
+    for row in rows:
+        unit_path(run_dir, row)  # every row, before anything is deleted
     index.delete_steps([r.step for r in rows])
     for row in rows:
         get_backend(row.backend).remove_step(steps_dir(run_dir), row.location)

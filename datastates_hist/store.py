@@ -1,10 +1,7 @@
-"""Read access to a run: its layout, its index, and verified reads of step data.
+"""Read access to a run: its index, and verified reads of step data.
 
-Layout of a run directory::
-
-    RUN/index.sqlite      the index (committed steps, tensor records, statistics)
-    RUN/steps/<step>.bp   one unit of step data per step (file or folder, by backend)
-    RUN/writer.lock       held by the one process that may write
+The run's layout is in :mod:`.layout`; every step's data is found through
+:func:`.layout.unit_path`, which refuses a location outside ``steps/``.
 """
 
 from __future__ import annotations
@@ -27,12 +24,7 @@ from .dtypes import dtype_name, storage_dtype, storage_torch_dtype, torch_dtype
 from .errors import CorruptionError, StepNotFoundError, StoreNotFoundError
 from .index import Index, StepRow
 from .items import TensorRecord
-
-STEPS_DIR = "steps"
-
-
-def steps_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, STEPS_DIR)
+from .layout import steps_dir, unit_bytes, unit_path
 
 
 HUGE_PAGE = 2 << 20
@@ -123,11 +115,37 @@ class StepData:
                 f"the manifest of step {row.step} in {run_dir} does not match its checksum: "
                 "the step's data is damaged"
             )
-        doc = json.loads(raw)
-        self.records = {r["name"]: TensorRecord.from_json(r) for r in doc["tensors"]}
-        self.values: dict[str, Any] = doc["values"]
-        self.world_size = int(doc.get("world_size", 1))  # ranks that wrote the step
+        try:
+            doc = json.loads(raw)
+            self.records = {r.name: r for r in map(TensorRecord.from_json, doc["tensors"])}
+            self.values: dict[str, Any] = doc["values"]
+            if not (isinstance(self.values, dict) and isinstance(self.values.get("items"), dict)
+                    and isinstance(self.values.get("objects"), dict)):
+                raise ValueError("its values are not {'items': {...}, 'objects': {...}}")
+            self.world_size = int(doc.get("world_size", 1))  # ranks that wrote the step
+            if doc.get("step") != row.step:
+                raise ValueError(f"it is the manifest of step {doc.get('step')!r}")
+            self._check_stored_bytes()
+        except KeyError as exc:
+            raise CorruptionError(f"the manifest of step {row.step} in {run_dir} is damaged: "
+                                  f"it has no {exc.args[0]!r}") from None
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise CorruptionError(f"the manifest of step {row.step} in {run_dir} is damaged: {exc}") from None
         self._prefetched: dict[str, np.ndarray] = {}
+
+    def _check_stored_bytes(self) -> None:
+        """Raw tensors are stored byte for byte: a record that declares more bytes
+        than the unit holds is damaged, and is refused before memory is allocated for it."""
+        stored = unit_bytes(unit_path(self.run_dir, self.row))
+        declared = [r for r in self.records.values() if r.encoding == "raw"]
+        for rec in declared:
+            if rec.nbytes > stored:
+                raise ValueError(f"tensor {rec.name!r} declares {rec.nbytes} bytes, more than the {stored} "
+                                 "bytes of the step's data")
+        total = sum(r.nbytes for r in declared)
+        if total > stored:
+            raise ValueError(f"its {len(declared)} tensors declare {total} bytes in all, more than the "
+                             f"{stored} bytes of the step's data")
 
     def read(self, name: str, verify: bool = True) -> torch.Tensor:
         """Tensor ``name`` in host memory, its checksum verified."""
@@ -174,7 +192,13 @@ class StepData:
         it). With ``verify``, the blocks the box cuts are read whole and checked;
         without, only the box is read.
         """
-        return self._tensor(self._record(name), tuple(int(s) for s in start), tuple(int(c) for c in count), verify)
+        rec = self._record(name)
+        start, count = tuple(int(s) for s in start), tuple(int(c) for c in count)
+        if not (len(start) == len(count) == len(rec.shape) and all(
+                s >= 0 and c >= 0 and s + c <= n for s, c, n in zip(start, count, rec.shape))):
+            raise ValueError(f"the box at {list(start)} of {list(count)} does not fit tensor {name!r} "
+                             f"of shape {list(rec.shape)}")
+        return self._tensor(rec, start, count, verify)
 
     def _tensor(self, rec: TensorRecord, start: tuple[int, ...], count: tuple[int, ...], verify: bool) -> torch.Tensor:
         name = rec.name
@@ -202,15 +226,9 @@ class StepData:
             )
 
     def _blocks(self, rec: TensorRecord) -> list[dict]:
+        """The blocks of ``rec`` (checked with the record when the manifest was read)."""
         if rec.blocks is None:
             return [{"start": [0] * len(rec.shape), "count": list(rec.shape), "checksum": rec.checksum, "part": None}]
-        for b in rec.blocks:  # a manifest from elsewhere is data to check, not to trust
-            ok = (isinstance(b, dict) and len(b.get("start", ())) == len(rec.shape) == len(b.get("count", ()))
-                  and all(isinstance(v, int) and v >= 0 for v in (*b["start"], *b["count"]))
-                  and all(s + c <= n for s, c, n in zip(b["start"], b["count"], rec.shape)))
-            if not ok:
-                raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} "
-                                      f"has a malformed block in its manifest: {b!r}")
         return rec.blocks
 
     def _read(self, rec: TensorRecord, start: tuple[int, ...], count: tuple[int, ...], verify: bool) -> np.ndarray:
@@ -286,10 +304,13 @@ class Store:
             self.row(step)
         return records
 
-    def open_step(self, step: int) -> StepData:
+    def open_step(self, step: int, against_index: bool = True) -> StepData:
+        """The data of a committed step. ``against_index``: refuse it unless its
+        manifest records the same tensors as its index rows (``verify`` compares
+        them itself, to report every difference)."""
         row = self.row(step)
         try:
-            return self._open(row)
+            return self._open(row, against_index)
         except Exception as exc:
             # A writer may have pruned the step (or truncated and rewritten it)
             # between reading its row and opening its data: that is no damage.
@@ -299,10 +320,11 @@ class Store:
                     f"step {step} was removed from {self.run_dir} while it was being opened"
                 ) from exc
             if now != row:
-                return self._open(now)
+                return self._open(now, against_index)
             raise
 
-    def _open(self, row: StepRow) -> StepData:
+    def _open(self, row: StepRow, against_index: bool) -> StepData:
+        unit_path(self.run_dir, row)  # refuses a location outside steps/ before anything is read
         step, backend = row.step, get_backend(row.backend)
         try:
             reader = backend.open_step(steps_dir(self.run_dir), row.location)
@@ -311,10 +333,30 @@ class Store:
         except Exception as exc:  # damaged files fail in whatever way their library chooses
             raise CorruptionError(f"the data of step {step} in {self.run_dir} is damaged: {exc}") from exc
         try:
-            return StepData(self.run_dir, row, reader)
+            data = StepData(self.run_dir, row, reader)
+            if against_index:
+                self._check_records(data)
+            return data
         except BaseException:
             reader.close()
             raise
+
+    def _check_records(self, data: StepData) -> None:
+        """The manifest and the index rows must describe the same tensors: a read
+        takes dtype and shape from the manifest, a listing from the index."""
+        indexed = {r.name: r for r in self.index.records(data.row.step)}
+        for name in sorted(indexed.keys() ^ data.records.keys()):
+            where = "the manifest" if name in data.records else "the index"
+            raise CorruptionError(f"step {data.row.step} in {self.run_dir}: only {where} lists tensor {name!r}: "
+                                  "the index or the step's data is damaged")
+        for name, rec in data.records.items():
+            have = indexed[name]
+            if (have.dtype, tuple(have.shape), have.nbytes, have.checksum) != (
+                    rec.dtype, tuple(rec.shape), rec.nbytes, rec.checksum):
+                raise CorruptionError(
+                    f"step {data.row.step} in {self.run_dir}: tensor {name!r} is {rec.dtype} "
+                    f"{list(rec.shape)} in the manifest but {have.dtype} {list(have.shape)} in the index "
+                    "(or their sizes or checksums differ): the index or the step's data is damaged")
 
     def close(self) -> None:
         self.index.close()

@@ -57,6 +57,9 @@ class ModuleProvider(StateProvider):
                                 for n, t in self._tensors(module).items() if t.is_meta]
         return problems
 
+    def leaves_unloaded(self, problems):
+        return False  # tensor by tensor: what matches loads (load_state_dict(strict=False))
+
     def destinations(self, module, ctx):
         # the store reads only into those it can (CPU, contiguous, of the stored dtype and shape)
         return {n: t for n, t in self._tensors(module).items() if not is_dtensor(t)}
@@ -82,6 +85,11 @@ class OptimizerProvider(StateProvider):
     Items: the value ``param_groups`` (hyper-parameters, params as names, the
     optimizer's type), tensors ``state/<param>/<key>``, and non-tensor state
     values under the same names.
+
+    A non-strict restore loads all or nothing of an optimizer of the same type and
+    param-group structure, as ``load_state_dict`` does; within it, a parameter
+    whose stored state does not fit (another shape) or that the step lacks keeps
+    its own state whole, so that the optimizer can step on.
     """
 
     def _names(self, opt: torch.optim.Optimizer, ctx: Context) -> list[list[str]]:
@@ -104,10 +112,11 @@ class OptimizerProvider(StateProvider):
             hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append({"params": names, "options": values.encode(hyper, "param_groups")})
         yield ValueItem("param_groups", {"type": type(opt).__qualname__, "groups": groups})
-        scalars, state = {}, opt.state
+        scalars, state, known = {}, opt.state, {n for names in all_names for n in names}
         for group, names in zip(opt.param_groups, all_names):
             for p, pname in zip(group["params"], names):
                 for key, v in state.get(p, {}).items():
+                    _check_state_name(pname, str(key), known)
                     if isinstance(v, torch.Tensor):
                         yield TensorItem(f"state/{pname}/{key}", v.detach())
                     else:
@@ -122,29 +131,49 @@ class OptimizerProvider(StateProvider):
             return problems
         if stored["type"] != type(opt).__qualname__:
             problems.mismatched.append(("param_groups", type(opt).__qualname__, stored["type"]))
+            return problems  # another optimizer: its parameters and state mean nothing here
+        problems.mismatched += self._group_problems(opt, stored, ctx)
         have = {n for names in self._names(opt, ctx) for n in names}
-        saved = {n for g in stored["groups"] for n in g["params"]}
+        saved = _saved_names(stored)
         problems.missing += sorted(f"param {n}" for n in have - saved)
         problems.unexpected += sorted(f"param {n}" for n in saved - have)
-        params = self._params(opt, ctx)
-        for name, rec in state.records.items():
-            pname = name.split("/")[1]
-            p = params.get(pname)
-            if p is not None and rec.shape not in (tuple(p.shape), ()) and len(rec.shape) > 0:
-                problems.mismatched.append((name, f"shape {list(p.shape)}", f"shape {list(rec.shape)}"))
+        problems.mismatched += self._shape_problems(opt, state, ctx, saved)
         return problems
+
+    def _group_problems(self, opt, stored: dict, ctx: Context) -> list[tuple[str, str, str]]:
+        """The param-group structure: as many groups, each parameter in the group of the same index."""
+        live, saved = self._names(opt, ctx), [g["params"] for g in stored["groups"]]
+        if len(live) != len(saved):
+            return [("param_groups", f"{type(opt).__qualname__} with {_groups(len(live))}",
+                     f"{stored['type']} with {_groups(len(saved))}")]
+        group_of = {n: i for i, names in enumerate(saved) for n in names}
+        return sorted((f"param {n}", f"in param group {i}", f"in param group {group_of[n]}")
+                      for i, names in enumerate(live) for n in names if group_of.get(n, i) != i)
+
+    def _shape_problems(self, opt, state, ctx: Context, saved: set[str]) -> list[tuple[str, str, str]]:
+        params, out = self._params(opt, ctx), []
+        for name, rec in state.records.items():
+            p = params.get(_split_state_name(name, saved)[0])
+            if p is not None and rec.shape not in (tuple(p.shape), ()):
+                out.append((name, f"shape {list(p.shape)}", f"shape {list(rec.shape)}"))
+        return out
+
+    def leaves_unloaded(self, problems):
+        # all but a parameter's state: the optimizer's type, or its param-group structure
+        return "param_groups" in problems.missing or any(
+            not name.startswith("state/") for name, _, _ in problems.mismatched)
 
     def load(self, opt, state, ctx):
         stored = state.values["param_groups"]
+        saved = _saved_names(stored)
         group_of = {n: g for g in stored["groups"] for n in g["params"]}
         scalars = state.values.get("state", {})
-        problems = self.check(opt, state, ctx)
-        bad = {n for n, _, _ in problems.mismatched}
         params = self._params(opt, ctx)
         by_param: dict[str, list[tuple[str, str]]] = {}  # param name -> [(state key, record name)]
         for rname in state.records:
-            _, pname, key = rname.split("/", 2)
+            pname, key = _split_state_name(rname, saved)
             by_param.setdefault(pname, []).append((key, rname))
+        misfit = {_split_state_name(n, saved)[0] for n, _, _ in self._shape_problems(opt, state, ctx, saved)}
         sd_groups, sd_state, k = [], {}, 0
         for group, names in zip(opt.param_groups, self._names(opt, ctx)):
             options = {key: v for key, v in group.items() if key != "params"}
@@ -153,10 +182,12 @@ class OptimizerProvider(StateProvider):
                 options.update(values.decode(found["options"]))
             ids = []
             for name in names:
-                entry = {key: values.decode(v) for key, v in scalars.get(name, {}).items()}
-                for key, rname in by_param.get(name, []):
-                    if rname not in bad:
-                        entry[key] = state.tensor_like(rname, params.get(name))
+                if name in misfit or name not in saved:  # keeps its own state
+                    entry = dict(opt.state.get(params[name], {}))
+                else:
+                    entry = {key: values.decode(v) for key, v in scalars.get(name, {}).items()}
+                    for key, rname in by_param.get(name, []):
+                        entry[key] = state.tensor_like(rname, params[name])
                 if entry:
                     sd_state[k] = entry
                 ids.append(k)
@@ -164,6 +195,42 @@ class OptimizerProvider(StateProvider):
             sd_groups.append({**options, "params": ids})
         opt.load_state_dict({"state": sd_state, "param_groups": sd_groups})
         return opt
+
+
+def _saved_names(stored_groups: dict) -> set[str]:
+    """The parameter names of the stored ``param_groups`` value."""
+    return {n for g in stored_groups["groups"] for n in g["params"]}
+
+
+def _groups(count: int) -> str:
+    return f"{count} param group" + ("" if count == 1 else "s")
+
+
+def _split_state_name(name: str, params: set[str]) -> tuple[str, str]:
+    """(parameter name, state key) of the item ``state/<param>/<key>``, given the stored
+    parameter names. A parameter name may hold ``/`` (``nn.ModuleDict({"enc/a": ...})``):
+    the longest stored name that the item starts with wins, so a key without ``/`` always
+    splits off right (keys with ``/`` are checked at write, :func:`_check_state_name`)."""
+    rest = name.removeprefix("state/")
+    cut = rest.rfind("/")
+    while cut > 0:
+        if rest[:cut] in params:
+            return rest[:cut], rest[cut + 1:]
+        cut = rest.rfind("/", 0, cut)
+    pname, _, key = rest.rpartition("/")  # a parameter the stored groups do not name
+    return pname, key
+
+
+def _check_state_name(pname: str, key: str, params: set[str]) -> None:
+    """Refuse a state key whose item name would read back as another parameter's state."""
+    if "/" not in key:
+        return
+    name = f"state/{pname}/{key}"
+    read_as = _split_state_name(name, params)
+    if read_as != (pname, key):
+        raise ValueError(f"cannot checkpoint optimizer state {key!r} of parameter {pname!r}: its item name "
+                         f"{name} would read back as state {read_as[1]!r} of parameter {read_as[0]!r}; "
+                         "rename the state key or the parameter")
 
 
 class RNG:

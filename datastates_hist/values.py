@@ -18,13 +18,82 @@ import numpy as np
 
 TAGS = ("__tuple__", "__bytes__", "__dict__", "__tensor__", "__ndarray__", "__float__")
 
+# Lists, tuples and dicts inside each other: deeper than this is refused when written
+# (encoding, decoding and JSON all recurse, and would fail later, in the background).
+MAX_DEPTH = 100
+
+# numpy kinds with no tensor dtype: strings, objects, dates, durations, structured records
+NON_NUMERIC_KINDS = {"U": "strings", "S": "byte strings", "O": "Python objects", "M": "dates",
+                     "m": "time durations", "V": "structured records"}
+
 
 class UnsupportedValueError(TypeError):
     """A value has a type that cannot be stored without pickle."""
 
 
+class NestingError(ValueError):
+    """A value contains itself, or is nested deeper than :data:`MAX_DEPTH`."""
+
+
+def enter(container: Any, where: str, around: tuple[int, ...]) -> tuple[int, ...]:
+    """``around`` (the ids of the containers that hold ``container``) plus ``container``;
+    refuses a container inside itself and nesting deeper than :data:`MAX_DEPTH`."""
+    if id(container) in around:
+        raise NestingError(f"{where} contains itself (a list, tuple or dict that holds itself)")
+    if len(around) >= MAX_DEPTH:
+        shown = where if len(where) <= 60 else where[:60] + "..."
+        raise NestingError(f"{shown} is nested more than {MAX_DEPTH} levels deep "
+                           "(lists, tuples and dicts inside each other)")
+    return around + (id(container),)
+
+
+def check_nesting(value: Any, where: str) -> None:
+    """Refuse a structure of lists, tuples and dicts that contains itself or is nested
+    deeper than :data:`MAX_DEPTH`; ``where`` names it, its path is appended. Iterative:
+    no recursion to run out of."""
+    todo = [(value, where, ())]
+    while todo:
+        x, path, around = todo.pop()
+        if isinstance(x, dict):
+            children = ((v, f"{path}/{k}") for k, v in x.items())
+        elif isinstance(x, (list, tuple)):
+            if all(type(v) is int for v in x):  # RNG states: hundreds of plain ints
+                continue
+            children = ((v, f"{path}/{i}") for i, v in enumerate(x))
+        else:
+            continue
+        inner = enter(x, path, around)
+        todo.extend((v, p, inner) for v, p in children if isinstance(v, (dict, list, tuple)))
+
+
+def array_tensor(array: np.ndarray, where: str):
+    """A numeric numpy array as a tensor, in native byte order (value-exact);
+    arrays of strings, objects, dates or records are refused, naming ``where``."""
+    import torch
+
+    kind = NON_NUMERIC_KINDS.get(array.dtype.kind)
+    if kind is not None:
+        raise UnsupportedValueError(
+            f"{where}: a numpy array of {kind} (dtype {array.dtype}) cannot be stored; "
+            "only arrays of numbers and booleans can (convert it, e.g. to a list)"
+        )
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    try:
+        return torch.from_numpy(np.ascontiguousarray(array))
+    except TypeError:  # a dtype torch has no equivalent of, such as float128
+        raise UnsupportedValueError(
+            f"{where}: a numpy array of dtype {array.dtype} cannot be stored (torch has no such dtype)"
+        ) from None
+
+
 def encode(value: Any, where: str) -> Any:
     """Turn ``value`` into JSON-ready data; ``where`` names it in errors."""
+    return _encode(value, where, ())
+
+
+def _encode(value: Any, where: str, around: tuple[int, ...]) -> Any:
+    """:func:`encode`; ``around``: the ids of the containers that hold ``value``."""
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
@@ -37,15 +106,20 @@ def encode(value: Any, where: str) -> Any:
         return bool(value)
     if isinstance(value, (list, tuple)):
         # all plain ints (RNG states: hundreds of them each write): as they are, unwalked
-        items = (list(value) if all(type(v) is int for v in value)
-                 else [encode(v, f"{where}[{i}]") for i, v in enumerate(value)])
+        if all(type(v) is int for v in value):
+            items = list(value)
+        else:
+            inner = enter(value, where, around)
+            items = [_encode(v, f"{where}[{i}]", inner) for i, v in enumerate(value)]
         return items if isinstance(value, list) else {"__tuple__": items}
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": base64.b64encode(bytes(value)).decode()}
     if isinstance(value, dict):
+        inner = enter(value, where, around)
         if all(isinstance(k, str) for k in value) and not any(k in TAGS for k in value):
-            return {k: encode(v, f"{where}.{k}") for k, v in value.items()}
-        return {"__dict__": [[encode(k, where), encode(v, f"{where}[{k!r}]")] for k, v in value.items()]}
+            return {k: _encode(v, f"{where}.{k}", inner) for k, v in value.items()}
+        return {"__dict__": [[_encode(k, where, inner), _encode(v, f"{where}[{k!r}]", inner)]
+                             for k, v in value.items()]}
     raise UnsupportedValueError(
         f"{where}: a value of type {type(value).__module__}.{type(value).__qualname__} "
         "cannot be stored without pickle; convert it to numbers, strings, lists and dicts, "

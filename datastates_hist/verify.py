@@ -95,7 +95,7 @@ def verify_step(store: Store, step: int, progress: Progress | None = None) -> li
     if row is None:
         return []  # pruned since the list of steps was read
     try:
-        data = store.open_step(step)
+        data = store.open_step(step, against_index=False)
     except StepNotFoundError:
         return []
     except Exception as exc:  # a damaged unit may fail in any way its library chooses
@@ -105,7 +105,7 @@ def verify_step(store: Store, step: int, progress: Progress | None = None) -> li
     try:
         try:
             problems = _check_manifest(store, data)
-        except (sqlite3.DatabaseError, ValueError, KeyError, TypeError) as exc:
+        except (sqlite3.DatabaseError, CorruptionError, ValueError, KeyError, TypeError) as exc:
             problems = [Problem(step, None, f"its manifest or index rows cannot be compared: {exc}")]
         for name, rec in data.records.items():
             try:

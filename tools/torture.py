@@ -14,7 +14,19 @@ the kill is still committed after it, unless the child was removing it on
 purpose), the newest step restores with its own values, no data is left that
 no index row names, and no checksum fails. Zero failures are allowed.
 
+With ``--during repair,prune,close`` a child is killed instead while it runs
+``repair_run(force=True)`` (building the new index, swapping it in, or at a
+random moment), ``prune`` (deleting rows, deleting data, or at random), or
+``close()`` (with writes still to commit); each operation gets its own run,
+grown by a writer child (not killed) before every kill. The parent then opens
+the run as the next writer would, and checks: after a repair, every step
+committed before it is committed again after a second repair (which reads
+every tensor); after a prune, only steps the prune announced are gone; after
+a close, every step committed at the kill is still committed, and when close
+returned before the kill, every write issued before it is committed.
+
     python tools/torture.py --kills 100 --backend adios2
+    python tools/torture.py --kills 100 --during repair,prune,close
 
 Children are forked from a forkserver that has imported torch and the library
 once, so that a restart costs milliseconds, not seconds.
@@ -24,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import mmap
 import multiprocessing
@@ -40,10 +53,17 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 # One byte per phase in a shared page: 1 while some thread of the child is in it.
-PHASES = ("snapshot", "flush", "publish", "index commit", "retention", "startup")
+WRITE_PHASES = ("snapshot", "flush", "publish", "index commit", "retention", "startup")
+OP_PHASES = ("repair", "repair build", "repair swap", "prune", "prune rows", "prune data", "close")
+PHASES = WRITE_PHASES + OP_PHASES
 SLOT = {name: i for i, name in enumerate(PHASES)}
-WRITES_AT = 16  # int32: writes issued by the current child
-TARGETS = PHASES + ("anywhere",)
+WRITES_AT = 32  # int32: writes issued by the current child
+TARGETS = WRITE_PHASES + ("anywhere",)
+# the phases each operation's kills aim at, in turn; the operation itself: a random moment in it
+OP_TARGETS = {"repair": ("repair build", "repair swap", "repair"),
+              "prune": ("prune rows", "prune data", "prune"),
+              "close": ("close",)}
+GROW_WRITES, CLOSE_WRITES = 3, 4
 PRUNE_EVERY, KEEP_LAST, KEEP_EVERY = 5, 4, 25
 TRUNCATE_EVERY = 11
 
@@ -52,8 +72,9 @@ TRUNCATE_EVERY = 11
 
 def _instrument(shared: mmap.mmap) -> None:
     """Mark, in ``shared``, when the child is inside each phase (wrapping library calls)."""
-    from datastates_hist import retention
-    from datastates_hist.backends.base import StagedStepWriter
+    from datastates_hist import repair, retention
+    from datastates_hist.backends.base import Backend, StagedStepWriter
+    from datastates_hist.checkpointer import Checkpointer
     from datastates_hist.flush import Flusher
     from datastates_hist.index import Index
     from datastates_hist.snapshot import Snapshotter
@@ -75,6 +96,13 @@ def _instrument(shared: mmap.mmap) -> None:
     mark(StagedStepWriter, "publish", "publish")
     mark(Index, "commit_step", "index commit")
     mark(retention, "remove_steps", "retention")
+    mark(repair, "repair_run", "repair")
+    mark(repair, "_build_aside", "repair build")
+    mark(repair, "_swap_in", "repair swap")
+    mark(Checkpointer, "prune", "prune")
+    mark(Index, "delete_steps", "prune rows")
+    mark(Backend, "remove_step", "prune data")
+    mark(Checkpointer, "close", "close")
 
 
 def make_model(seed: int):
@@ -85,9 +113,23 @@ def make_model(seed: int):
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
+def _shared(shared_path: str) -> mmap.mmap:
+    with open(shared_path, "r+b") as f:
+        return mmap.mmap(f.fileno(), 64)
+
+
+def train_step(model, opt) -> None:
+    import torch
+
+    model(torch.randn(16, 128)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def child_main(run_dir: str, backend: str, shared_path: str, journal: str, reports: str,
-               seed: int, max_writes: int | None) -> None:
-    """Open the run, restore the newest step, verify everything, then train and checkpoint."""
+               seed: int, max_writes: int | None, branch: bool = True) -> None:
+    """Open the run, restore the newest step, verify everything, then train and checkpoint
+    (pruning now and then, and, if ``branch``, truncating the newest steps now and then)."""
     import torch
 
     import datastates_hist as dh
@@ -95,8 +137,7 @@ def child_main(run_dir: str, backend: str, shared_path: str, journal: str, repor
     from datastates_hist.verify import verify_run
 
     torch.set_num_threads(1)
-    with open(shared_path, "r+b") as f:
-        shared = mmap.mmap(f.fileno(), 64)
+    shared = _shared(shared_path)
     _instrument(shared)
     shared[SLOT["startup"]] = 1
     model, opt = make_model(seed)
@@ -116,9 +157,7 @@ def child_main(run_dir: str, backend: str, shared_path: str, journal: str, repor
 
     step, writes = (steps[-1] + 1 if steps else 0), 0
     while max_writes is None or writes < max_writes:
-        model(torch.randn(16, 128)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+        train_step(model, opt)
         ckpt.write(step, model, opt, data={"step": step})
         writes += 1
         struct.pack_into("<i", shared, WRITES_AT, writes)
@@ -126,13 +165,43 @@ def child_main(run_dir: str, backend: str, shared_path: str, journal: str, repor
             ckpt.wait()
             _retention(journal, doomed(ckpt.steps(), policies(KEEP_LAST, KEEP_EVERY)),
                        lambda: ckpt.prune(keep_last=KEEP_LAST, keep_every=KEEP_EVERY))
-        if step % TRUNCATE_EVERY == TRUNCATE_EVERY - 1:
+        if branch and step % TRUNCATE_EVERY == TRUNCATE_EVERY - 1:
             ckpt.wait()  # branch: drop the two newest steps and write them again
             after = step - 2
             _retention(journal, [s for s in ckpt.steps() if s > after], lambda: ckpt.truncate(after=after))
             step = after
         step += 1
     ckpt.close()
+
+
+def op_main(op: str, run_dir: str, backend: str, shared_path: str, journal: str, seed: int) -> None:
+    """Run one operation on the run (to be killed in it): ``repair``, ``prune`` or ``close``."""
+    import torch
+
+    import datastates_hist as dh
+    from datastates_hist import repair
+    from datastates_hist.retention import doomed, policies
+
+    torch.set_num_threads(1)
+    _instrument(_shared(shared_path))
+    if op == "repair":
+        repair.repair_run(run_dir, force=True)  # through the module: the instrumented function
+        return
+    ckpt = dh.Checkpointer(run_dir, backend=backend, host_cache_bytes=64 << 10, piece_bytes=8 << 10)
+    if op == "prune":
+        _retention(journal, doomed(ckpt.steps(), policies(keep_last=2)), lambda: ckpt.prune(keep_last=2))
+        ckpt.close()
+        return
+    model, opt = make_model(seed)
+    step, issued = (ckpt.steps() or [-1])[-1] + 1, []
+    for _ in range(CLOSE_WRITES):  # left to commit in the background: close() waits for them
+        train_step(model, opt)
+        ckpt.write(step, model, opt, data={"step": step})
+        issued.append(step)
+        step += 1
+    ckpt.close()
+    with open(journal, "a") as f:
+        f.write(json.dumps({"closed": issued}) + "\n")
 
 
 def _retention(journal: str, victims: list[int], remove) -> None:
@@ -172,11 +241,11 @@ class Torture:
         self.failures: list[str] = []
         self.seen_reports = 0
 
-    def _start(self, max_writes: int | None = None):
+    def _start(self, max_writes: int | None = None, branch: bool = True):
         self.shared[:] = b"\0" * 64
         child = self.ctx.Process(target=child_main, args=(
             self.run_dir, self.backend, self.shared_path, self.journal, self.reports,
-            self.children, max_writes))
+            self.children, max_writes, branch))
         child.start()
         self.children += 1
         return child
@@ -306,18 +375,153 @@ class Torture:
         return "\n".join(lines)
 
 
+class OperationTorture(Torture):
+    """Kills a child while it runs ``repair``, ``prune`` or ``close()`` (``op``); a writer
+    child, not killed, grows the run before each kill."""
+
+    def __init__(self, run_dir: str, backend: str, op: str, seed: int = 0):
+        super().__init__(run_dir, backend, seed)
+        self.op = op
+        self.refusals: list[str] = []  # the next writer refused the run (then repaired)
+        self.finished_first = 0  # the operation ended before the kill
+        self.repaired_steps = 0
+
+    def _grow(self) -> None:
+        child = self._start(max_writes=GROW_WRITES, branch=False)  # the run grows: each kill has work
+        child.join(300)
+        if child.exitcode != 0:
+            self.failures.append(f"the writer child {child.pid} exited with {child.exitcode}")
+        self._check_reports()
+
+    def _start_op(self):
+        self.shared[:] = b"\0" * 64
+        child = self.ctx.Process(target=op_main, args=(
+            self.op, self.run_dir, self.backend, self.shared_path, self.journal, self.children))
+        child.start()
+        self.children += 1
+        return child
+
+    def _open_as_writer(self) -> str | None:
+        """Open and close the run as the next writer would; why it refused, or None."""
+        import datastates_hist as dh
+
+        try:
+            dh.Checkpointer(self.run_dir).close()
+        except dh.CorruptionError as exc:
+            return str(exc)
+        return None
+
+    def kill_once(self, target: str) -> None:
+        self._grow()
+        committed = set(self._committed())
+        journal_from = len(self._journal())
+        child = self._start_op()
+        self._wait(lambda: self.shared[SLOT[target]], child, timeout=60)
+        if target == self.op:  # a random moment of the whole operation
+            time.sleep(self.rng.uniform(0, 0.03))
+        elif self.rng.random() < 0.5:  # sometimes a little later inside the phase
+            time.sleep(self.rng.uniform(0, 0.002))
+        # close() commits as it goes: what it committed before the kill must stay (a repair
+        # or a prune only removes, and the index may be mid-swap)
+        at_kill = set(self._committed()) if self.op == "close" else set()
+        inside = [p for p in PHASES if self.shared[SLOT[p]]]
+        child.kill()
+        child.join()
+        self.kills[target] += 1
+        if child.exitcode != -9:
+            self.finished_first += 1
+            if child.exitcode != 0:
+                self.failures.append(f"the {self.op} child {child.pid} exited with {child.exitcode}")
+        for phase in inside or ["between phases"]:
+            self.landed[phase] += 1
+        self._check_after(target, committed | at_kill, journal_from)
+
+    def _check_after(self, target: str, before: set[int], journal_from: int) -> None:
+        refusal = self._open_as_writer()
+        if refusal is not None:
+            self.refusals.append(refusal)
+            if self.op != "repair":  # only a repair killed between its renames leaves no index
+                self.failures.append(f"kill during {target}: the next writer refused the run: {refusal}")
+        if self.op == "repair":
+            self._repair_again()
+        after = set(self._committed())
+        entries = self._journal()[journal_from:]
+        excused = {s for j in entries if "remove" in j for s in j["remove"]}
+        lost = sorted(before - after - excused)
+        for j in entries:
+            if "closed" in j:  # close() returned: every write issued before it is committed
+                lost += sorted(set(j["closed"]) - after)
+        self.lost += len(lost)
+        if lost:
+            self.failures.append(f"kill during {target}: committed steps {lost} were lost")
+        finished = [u for u in os.listdir(os.path.join(self.run_dir, "steps")) if not u.endswith(".partial")]
+        if refusal is None and len(finished) != len(after):
+            self.failures.append(f"kill during {target}: {len(finished)} units for {len(after)} committed steps")
+
+    def _repair_again(self) -> None:
+        """A second repair, not killed: every unit with data is committed again, its tensors verified."""
+        from datastates_hist.repair import repair_run
+
+        report = repair_run(self.run_dir, force=True)
+        self.repaired_steps += len(report.steps)
+        if report.set_aside or report.lost:
+            self.failures.append(f"the second repair set aside {report.set_aside}, lost {report.lost}")
+
+    def run(self, kills: int) -> bool:
+        targets = OP_TARGETS[self.op]
+        for k in range(kills):
+            self.kill_once(targets[k % len(targets)])
+        self.finish()
+        return not self.failures
+
+    def summary(self) -> str:
+        lines = [
+            f"torture: kills during {self.op}, backend {self.backend}, run {self.run_dir}",
+            f"kills: {sum(self.kills.values())} (SIGKILL), targeted at: "
+            + ", ".join(f"{t} {self.kills[t]}" for t in OP_TARGETS[self.op])
+            + f"; the {self.op} had finished before the kill: {self.finished_first}",
+            "  phases the child was in at the kill: "
+            + ", ".join(f"{p} {n}" for p, n in sorted(self.landed.items(), key=lambda x: -x[1])),
+            f"the next writer refused the run: {len(self.refusals)}"
+            + (f" (e.g. {self.refusals[0][:100]}...)" if self.refusals else ""),
+        ]
+        if self.op == "repair":
+            lines.append(f"second repairs: {sum(self.kills.values())}, steps they committed (every tensor "
+                         f"verified): {self.repaired_steps}")
+        lines += [
+            f"processes: {self.children}; restores of the newest step: {self.restores}; "
+            f"tensor checksums verified: {self.verified}",
+            f"committed steps at the end: {len(self.final_steps)} "
+            f"(newest {self.final_steps[-1] if self.final_steps else None})",
+            f"committed steps lost: {self.lost}",
+            f"failures: {len(self.failures)}",
+        ]
+        lines += [f"  FAIL {f}" for f in self.failures[:20]]
+        return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kills", type=int, default=100)
     p.add_argument("--backend", choices=["adios2", "hdf5", "both"], default="both")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", help="where to put the run (default: a temporary folder, removed after)")
+    p.add_argument("--during", default="write",
+                   help="comma-separated: write (every phase of a checkpoint, the default), repair, prune, "
+                        "close; each gets --kills kills on its own run")
     args = p.parse_args(argv)
+    during = args.during.split(",")
+    unknown = set(during) - {"write", *OP_TARGETS}
+    if unknown:
+        p.error(f"--during: unknown {', '.join(sorted(unknown))} (choose from write, {', '.join(OP_TARGETS)})")
     ok = True
-    for backend in (["adios2", "hdf5"] if args.backend == "both" else [args.backend]):
-        work = tempfile.mkdtemp(prefix=f"torture-{backend}-", dir=args.dir)
+    backends = ["adios2", "hdf5"] if args.backend == "both" else [args.backend]
+    for backend, op in itertools.product(backends, during):
+        work = tempfile.mkdtemp(prefix=f"torture-{op}-{backend}-", dir=args.dir)
         t0 = time.monotonic()
-        torture = Torture(os.path.join(work, "run"), backend, seed=args.seed)
+        run = os.path.join(work, "run")
+        torture = (Torture(run, backend, seed=args.seed) if op == "write"
+                   else OperationTorture(run, backend, op, seed=args.seed))
         ok &= torture.run(args.kills)
         print(torture.summary())
         print(f"time: {time.monotonic() - t0:.0f} s\n", flush=True)

@@ -43,8 +43,29 @@ _TYPES = {
 }
 
 
+# Every IO asks for no profiling files. BP5 in ADIOS2 2.12 ignores it (measured):
+# its readers and writers write one on every close, see remove_reader_profile and
+# adios2_bp5.PROFILE.
+IO_DEFAULTS = {"Profile": "Off"}
+
+
 class Adios2Error(RuntimeError):
     """A call into ADIOS2's C library failed."""
+
+
+def reader_profile_path(path: str) -> str:
+    """Where a BP5 reader of ``path`` writes its profile when closed: always ``/tmp``
+    (not ``$TMPDIR``), named by the file's last path component and the process id in hex."""
+    return f"/tmp/{os.path.basename(path)}_{os.getpid():x}_profiling.json"
+
+
+def remove_reader_profile(path: str) -> None:
+    """Remove the profile this process's reader of ``path`` left in ``/tmp``:
+    one file per read step otherwise (300 after verifying 300 steps)."""
+    try:
+        os.remove(reader_profile_path(path))
+    except OSError:
+        pass  # none written (the reader failed before), or removed meanwhile
 
 
 _lib = None
@@ -158,13 +179,14 @@ class Adios:
             raise Adios2Error(f"ADIOS2 {what} failed (error {rc}) on {path}")
 
     def new_io(self, engine: str, parameters: dict[str, str]) -> int:
+        """An IO of ``engine`` with ``parameters`` over :data:`IO_DEFAULTS`."""
         Adios._counter += 1
         name = f"io{Adios._counter}".encode()
         io = self.lib.adios2_declare_io(self.handle, name)
         if not io:
             raise Adios2Error("adios2_declare_io failed")
         self.check(self.lib.adios2_set_engine(io, engine.encode()), "set_engine", engine)
-        for key, value in parameters.items():
+        for key, value in {**IO_DEFAULTS, **parameters}.items():
             self.check(
                 self.lib.adios2_set_parameter(io, key.encode(), str(value).encode()),
                 f"set_parameter {key}={value}",
@@ -197,6 +219,7 @@ class FileWriter:
         adios.check(rc, "begin_step", path)
         self.variables: dict[str, int] = {}
         self.selected: dict[str, tuple] = {}  # each variable's selection: (start, count)
+        self.step_failed = False
 
     def define(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
         """Declare a global array ``name`` of ``shape``; blocks are put with :meth:`put`."""
@@ -233,24 +256,31 @@ class FileWriter:
     def next_step(self) -> None:
         """End this ADIOS2 step, which writes every block put so far straight from its
         memory (no copy into ADIOS2's buffers), and begin the next one."""
-        self.adios.check(self.lib.adios2_end_step(self.engine), "end_step", self.path)
+        self._end_step(self.engine)
         status = c_int(0)
         rc = self.lib.adios2_begin_step(self.engine, STEP_MODE_APPEND, -1.0, ctypes.byref(status))
         self.adios.check(rc, "begin_step", self.path)
 
+    def _end_step(self, engine: int) -> None:
+        rc = self.lib.adios2_end_step(engine)
+        self.step_failed = rc != 0
+        self.adios.check(rc, "end_step", self.path)
+
     def close(self) -> None:
         """End the step and close the file (writes the metadata).
 
-        If that fails (a full disk), the file is given up: its data files are
-        emptied, which frees their space, so that ADIOS2 can close it; if even
-        that fails, the context is abandoned rather than finalized (see
-        :meth:`Adios.abandon`). The error is raised either way.
+        If that fails (a full disk), or an earlier step failed, the file is
+        given up: its data files are emptied, which frees their space, so that
+        ADIOS2 can close it; if even that fails, the context is abandoned rather
+        than finalized (see :meth:`Adios.abandon`). The error is raised either way.
         """
         if not self.engine:
             return
         engine, self.engine = self.engine, None
         try:
-            self.adios.check(self.lib.adios2_end_step(engine), "end_step", self.path)
+            if self.step_failed:  # ending it again would fail again, and ADIOS2 prints each failure
+                raise Adios2Error(f"ADIOS2 gave up {self.path}: a step of it could not be written")
+            self._end_step(engine)
             self.adios.check(self.lib.adios2_close(engine), "close", self.path)
         except (Adios2Error, OSError):
             for name in os.listdir(self.path) if os.path.isdir(self.path) else []:
@@ -306,4 +336,7 @@ class FileReader:
     def close(self) -> None:
         if self.engine:
             engine, self.engine = self.engine, None
-            self.adios.check(self.lib.adios2_close(engine), "close", self.path)
+            try:
+                self.adios.check(self.lib.adios2_close(engine), "close", self.path)
+            finally:
+                remove_reader_profile(self.path)

@@ -25,15 +25,18 @@ import numpy as np
 from ..digest import checksum_bytes
 from ..errors import CorruptionError
 from . import _adios2_capi as capi
-from .base import Backend, StagedStepWriter, StepReader, fsync_tree, remove_tree, step_stem
+from .base import Backend, StagedStepWriter, StepReader, entry_path, fsync_tree, remove_tree, step_stem
 
 MANIFEST = "__manifest__"
 BLOCKS = "__blocks__"
 SUFFIX = ".bp"
 
-# Measured choices (docs/performance.md): no per-step profiling file; the
-# flusher thread itself does the I/O (ctypes drops the GIL), so no AsyncWrite.
-WRITE_PARAMETERS = {"Profile": "Off", "AsyncWrite": "off", "StatsLevel": "0", "MinDeferredSize": "1"}
+# Measured choices (docs/performance.md): the flusher thread itself does the
+# I/O (ctypes drops the GIL), so no AsyncWrite.
+WRITE_PARAMETERS = {"AsyncWrite": "off", "StatsLevel": "0", "MinDeferredSize": "1"}
+# What a BP5 writer leaves in its folder on close although asked not to (ADIOS2 2.12):
+# removed, so a unit holds only what readers use. Older units may hold it.
+PROFILE = "profiling.json"
 
 
 def _file_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -98,6 +101,7 @@ class Adios2StepWriter(StagedStepWriter):
         finally:
             self.adios.close()
         if self.root:
+            remove_tree(os.path.join(self.tmp, PROFILE))
             write_checksums(self.tmp)
 
 
@@ -160,16 +164,25 @@ class Adios2StepReader(StepReader):
         check_checksums(path)
         self.path = path
         self.adios = capi.Adios()
-        self.file = capi.FileReader(self.adios, path)
-        self.split: dict[str, list] = {}
+        self.file = None
+        try:  # a reader that fails here is released at once, never left to the end of the process
+            self.file = capi.FileReader(self.adios, path)
+            self.split = self._split_tensors()
+        except BaseException:
+            self.close()
+            raise
+
+    def _split_tensors(self) -> dict[str, list]:
         try:
             split = json.loads(self._bytes(BLOCKS))
         except KeyError:  # every variable in one ADIOS2 step
-            split = {}
+            return {}
+        out = {}
         for name, blocks in split.items():
             # reads select a variable's steps counting only those it was written in
             steps = sorted({b[0] for b in blocks})
-            self.split[name] = [(steps.index(step), start, count) for step, start, count in blocks]
+            out[name] = [(steps.index(step), start, count) for step, start, count in blocks]
+        return out
 
     def _bytes(self, name: str) -> bytes:
         (n,) = self.file.shape(name)
@@ -214,8 +227,11 @@ class Adios2StepReader(StepReader):
                 dst[...] = part
 
     def close(self):
-        self.file.close()
-        self.adios.close()
+        try:
+            if self.file is not None:
+                self.file.close()
+        finally:
+            self.adios.close()
 
 
 def collective_defaults(group) -> dict[str, str]:
@@ -258,7 +274,7 @@ class Adios2Backend(Backend):
 # files and the xxh3 of its metadata files (data is covered by the tensors'
 # checksums), and readers check them before ADIOS2 opens the folder.
 CHECKSUMS = "checksums.json"
-_UNCHECKED = (CHECKSUMS, "profiling.json")
+_UNCHECKED = (CHECKSUMS, PROFILE)
 
 
 def _files_json(files: dict) -> bytes:
@@ -283,9 +299,10 @@ def write_checksums(folder: str) -> None:
 
 def check_checksums(folder: str) -> None:
     """Raise :class:`CorruptionError` naming the damaged file; units written
-    without ``checksums.json`` are not checked."""
+    without ``checksums.json`` only get :func:`check_structure`."""
     path = os.path.join(folder, CHECKSUMS)
     if not os.path.exists(path):
+        check_structure(folder)
         return
     try:
         with open(path, "rb") as f:
@@ -297,7 +314,7 @@ def check_checksums(folder: str) -> None:
     if not intact:
         raise CorruptionError(f"{path} is damaged: the step's BP5 files cannot be checked")
     for name, want in files.items():
-        file = os.path.join(folder, name)
+        file = entry_path(folder, name, f"the file {name!r} of {CHECKSUMS}")
         if not os.path.isfile(file):
             raise CorruptionError(f"{file} is missing from the step's BP5 files")
         size = os.path.getsize(file)
@@ -307,3 +324,20 @@ def check_checksums(folder: str) -> None:
             with open(file, "rb") as f:
                 if checksum_bytes(f.read()) != want["xxh3"]:
                     raise CorruptionError(f"{file} does not match its checksum: the step's BP5 metadata is damaged")
+
+
+# md.idx begins with a header of 64 bytes; its byte 37 is the BP format version.
+_INDEX_HEADER, _VERSION_AT = 64, 37
+
+
+def check_structure(folder: str) -> None:
+    """Raise :class:`CorruptionError` when a file ADIOS2 needs is missing or ``md.idx``
+    is no BP5 index: otherwise ADIOS2 fails, and prints its own error on stderr too."""
+    for name in ("md.idx", "md.0", "mmd.0", "data.0"):
+        if not os.path.isfile(os.path.join(folder, name)):
+            raise CorruptionError(f"{os.path.join(folder, name)} is missing from the step's BP5 files")
+    index = os.path.join(folder, "md.idx")
+    with open(index, "rb") as f:
+        header = f.read(_INDEX_HEADER)
+    if len(header) < _INDEX_HEADER or header[_VERSION_AT] != 5:
+        raise CorruptionError(f"{index} is no BP5 index ({len(header)} bytes read): the step's BP5 metadata is damaged")

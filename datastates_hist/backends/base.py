@@ -30,15 +30,21 @@ Reading: ``reader = backend.open_step(steps_dir, location)``, then
 contiguous array ``out`` with the box at ``start`` of shape ``out.shape``, in
 the file of rank ``part``, or in the one shared file when ``part`` is None),
 and ``reader.close()``. ``backend.remove_step(steps_dir, location)`` deletes a
-step's unit (retention). A backend never touches the index.
+step's unit (retention). A backend never touches the index. A path built from
+stored data (a location, a file named in a unit) goes through :func:`entry_path`,
+and nothing follows a symbolic link out of ``steps/``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 from abc import ABC, abstractmethod
 
 import numpy as np
+
+from ..errors import CorruptionError
 
 
 class StepWriter(ABC):
@@ -162,13 +168,13 @@ class Backend(ABC):
     def open_step(self, steps_dir: str, location: str) -> StepReader:
         from .ranks import RANKS_SUFFIX, RankFilesReader
 
-        path = os.path.join(steps_dir, location)
+        path = entry_path(steps_dir, location, f"the step data {location!r}")
         if location.endswith(RANKS_SUFFIX):
             return RankFilesReader(self, path)
         return self.reader_at(path)
 
     def remove_step(self, steps_dir: str, location: str) -> None:
-        remove_tree(os.path.join(steps_dir, location))
+        remove_tree(entry_path(steps_dir, location, f"the step data {location!r}"))
 
 
 def step_stem(step: int) -> str:
@@ -203,13 +209,34 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def remove_tree(path: str) -> None:
-    import shutil
+def entry_path(folder: str, name: str, what: str) -> str:
+    """``folder/name`` for a ``name`` read from stored data (``what`` says whose, for
+    the error): one plain name of ``folder``, and not a symbolic link, so the path
+    stays inside ``folder``. A missing entry is not refused: its reader says it is missing.
 
+    Raises:
+        CorruptionError: ``name`` is not a plain name, or the entry is a symbolic link.
+    """
+    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name
+            or (os.altsep and os.altsep in name)):
+        raise CorruptionError(f"{what} is named {name!r}, which is not a name inside {folder}: refused")
+    path = os.path.join(folder, name)
     try:
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=False)
-        elif os.path.exists(path):
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
+    if stat.S_ISLNK(mode):
+        raise CorruptionError(f"{what} ({path}) is a symbolic link; stored data is read and deleted "
+                              f"only inside {folder}: refused")
+    return path
+
+
+def remove_tree(path: str) -> None:
+    """Delete a file or a folder; a symbolic link is removed itself, never followed."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)  # removes links inside as links
+        elif os.path.lexists(path):
             os.remove(path)
     except FileNotFoundError:
         pass  # removed meanwhile (by another rank)

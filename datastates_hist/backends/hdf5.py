@@ -97,7 +97,10 @@ class HDF5StepReader(StepReader):
     def __init__(self, path: str):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"step data {path} is missing")
-        self.file = h5py.File(path, "r")
+        try:
+            self.file = h5py.File(path, "r")
+        except OSError as exc:  # h5py's message does not name the file
+            raise OSError(f"{path} cannot be opened as HDF5: {exc}") from exc
 
     def manifest(self) -> bytes:
         return self.file[MANIFEST][()].tobytes()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from .base import StepReader, StepWriter, remove_tree, rename_into_place, step_stem
+from .base import StepReader, StepWriter, entry_path, remove_tree, rename_into_place, step_stem
 
 RANKS_SUFFIX = ".ranks"
 
@@ -66,7 +66,7 @@ class RankFilesReader(StepReader):
 
     def _file(self, rank: int) -> StepReader:
         if rank not in self.files:
-            path = os.path.join(self.path, rank_file(rank, self.backend.suffix))
+            path = entry_path(self.path, rank_file(rank, self.backend.suffix), f"the file of rank {rank}")
             self.files[rank] = self.backend.reader_at(path)
         return self.files[rank]
 

@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import math
+from argparse import ArgumentTypeError
 
 from ..history import History
+from . import step_number
 from .output import add_json_flag, emit, num
 
 METRICS = ("l2", "rel_l2", "max_abs", "cosine", "frac_changed")
@@ -31,11 +33,11 @@ def parse_targets(targets: list[str]) -> tuple[str, int, str, int]:
     """``RUN A B`` or ``RUN_A:STEP RUN_B:STEP`` -> (run_a, step_a, run_b, step_b)."""
     try:
         if len(targets) == 3:
-            return targets[0], int(targets[1]), targets[0], int(targets[2])
+            return targets[0], step_number(targets[1]), targets[0], step_number(targets[2])
         if len(targets) == 2 and all(":" in t for t in targets):
             (ra, sa), (rb, sb) = (t.rsplit(":", 1) for t in targets)
-            return ra, int(sa), rb, int(sb)
-    except ValueError:
+            return ra, step_number(sa), rb, step_number(sb)
+    except ArgumentTypeError:
         pass
     raise ValueError(f"diff takes RUN A B or RUN_A:STEP RUN_B:STEP, got {' '.join(targets)}")
 

@@ -11,18 +11,22 @@ from __future__ import annotations
 import os
 
 from ..history import MODEL_PREFIX, History
+from . import step_number
 
 
 def add_parser(sub):
     cmd = sub.add_parser("export", help="write one step's tensors to safetensors or a torch file")
     cmd.add_argument("run", help="the run directory")
-    cmd.add_argument("step", type=int, help="a committed step")
+    cmd.add_argument("step", type=step_number, help="a committed step")
     cmd.add_argument("--to", required=True, metavar="FILE", help="FILE.safetensors, or FILE.pt for torch.save")
     cmd.add_argument("--all", action="store_true", help="every tensor (optimizer, RNG, extras), by full name")
     return cmd
 
 
 def run(args) -> int:
+    folder = os.path.dirname(os.path.abspath(args.to))
+    if not os.path.isdir(folder):  # found before reading the step
+        raise FileNotFoundError(f"cannot write {args.to}: there is no folder {folder}")
     with History(args.run) as h:
         names = h.names(args.step)
         if not args.all:

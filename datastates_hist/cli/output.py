@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import sys
 from typing import Any
@@ -36,7 +37,12 @@ def console():
     if not _CONSOLE:
         from rich.console import Console
 
-        _CONSOLE.append(Console(width=None if sys.stdout.isatty() else 240))
+        class QuietOnBrokenPipe(Console):
+            def on_broken_pipe(self) -> None:  # rich would exit 1, the code of a failed check
+                self.quiet = True
+                raise BrokenPipeError(errno.EPIPE, "the reader of the output went away")
+
+        _CONSOLE.append(QuietOnBrokenPipe(width=None if sys.stdout.isatty() else 240))
     return _CONSOLE[0]
 
 

@@ -1,12 +1,18 @@
 """``datastates-hist repair RUN``: rebuild a damaged or lost index from the step data.
 
-The old index is moved aside (``index.sqlite.damaged-<time>``), never deleted;
-steps whose data is damaged are moved to ``RUN/damaged/``. Refuses while a
-writer holds the run. Exit 0 when the index is healthy or was rebuilt from
-every step unit, 1 when some unit could not be committed.
+The new index is built aside and renamed into place, so a repair killed
+part-way leaves the run as it was (or, killed between the last renames,
+without an index until the next repair); the old index is moved aside
+(``index.sqlite.damaged-<time>``), never deleted; steps whose data is damaged
+are moved to ``RUN/damaged/``. To try such a unit again, move it back into
+``RUN/steps/`` and run repair again. Refuses while a writer holds the run.
+Exit 0 when the index is healthy or was rebuilt from every step unit, 1 when
+some unit could not be committed.
 """
 
 from __future__ import annotations
+
+import os
 
 from ..repair import repair_run
 from . import EXIT_FAILED
@@ -27,10 +33,11 @@ def run(args) -> int:
     report = repair_run(args.run, force=args.force, verify=args.verify)
     if args.json:
         emit(args, [], [], report.to_json())
-    elif not report.rebuilt:
-        print(f"{args.run}: {report.diagnosis}")
-    else:
-        print(f"{args.run}: {report.diagnosis}")
+        return EXIT_FAILED if report.set_aside else 0
+    print(f"{args.run}: {report.diagnosis}")
+    if report.leftover_removed:
+        print("  removed the half-built index of an earlier repair that did not finish")
+    if report.rebuilt:
         if report.moved_index:
             print(f"  the old index was moved to {report.moved_index}")
         steps = report.steps
@@ -40,4 +47,7 @@ def run(args) -> int:
             print(f"  not committed, moved to damaged/{unit}: {why}")
         if report.lost:
             print(f"  steps the old index named whose data is gone: {', '.join(map(str, report.lost))}")
+    if report.in_damaged:
+        print(f"  {os.path.join(args.run, 'damaged')} holds {len(report.in_damaged)} unit(s) set aside by "
+              "repair; to try one again, move it back into steps/ and run repair again")
     return EXIT_FAILED if report.set_aside else 0

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from ..store import Store
+from . import step_number
 from .output import add_json_flag, emit, num
 
 
 def add_parser(sub):
     cmd = sub.add_parser("show", help="list the tensors of one step")
     cmd.add_argument("run", help="the run directory")
-    cmd.add_argument("step", type=int, help="a committed step")
+    cmd.add_argument("step", type=step_number, help="a committed step")
     add_json_flag(cmd)
     return cmd
 

@@ -39,7 +39,7 @@ def run(args) -> int:
     with History(args.run) as h:
         df = h.stats(args.tensor)
     name = df.attrs["name"]
-    values = [None if v != v else float(v) for v in df[args.stat]]
+    values = [None if v is None or v != v else float(v) for v in df[args.stat]]  # NULL/NaN: blank
     steps = [int(s) for s in df.index]
     if args.plot:
         plot(steps, values, name, args.stat, args.plot)

@@ -11,14 +11,14 @@ import sys
 
 from ..store import Store
 from ..verify import verify_run
-from . import EXIT_FAILED
+from . import EXIT_FAILED, step_number
 from .output import add_json_flag, emit, size
 
 
 def add_parser(sub):
     cmd = sub.add_parser("verify", help="check every tensor of a run against its checksum")
     cmd.add_argument("run", help="the run directory")
-    cmd.add_argument("steps", type=int, nargs="*", metavar="STEP", help="steps to check (default: all)")
+    cmd.add_argument("steps", type=step_number, nargs="*", metavar="STEP", help="steps to check (default: all)")
     add_json_flag(cmd)
     return cmd
 

@@ -260,7 +260,26 @@ def main():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    sys.exit(rc or 0)
+    end(rc or 0)
+
+
+def end(rc: int) -> None:
+    """Finalize MPI and exit at once, without C++ static destructors.
+
+    torch keeps its gloo threads (and rank 0's TCPStore thread) running after
+    ``destroy_process_group`` once DDP or DTensor used the group, so a normal exit
+    runs the static destructors of every library beside them; an abort there
+    ("terminate called without an active exception") was seen once after a
+    correct restore. Everything of the job's own is closed by now.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+    os._exit(rc)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,448 @@
+"""Paths and sizes read from a store are checked before anything is read, allocated or deleted.
+
+A step's data is the one unit ``steps/<step>.<suffix>`` (or ``.ranks``) named by its
+index row; a row naming anything else, or a unit that is a symbolic link, is refused
+with :class:`CorruptionError` by every reader, by ``verify`` and by ``prune`` and
+``truncate`` (which then change nothing). Tensor records declare shapes and sizes that
+must agree with each other and with the bytes stored, so a crafted manifest fails
+before memory is allocated for it. An empty index beside step data is damaged, for
+readers and the writer alike.
+"""
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import datastates_hist as dh
+from datastates_hist.backends import get_backend
+from datastates_hist.backends.base import remove_tree
+from datastates_hist.backends.ranks import RankFilesWriter
+from datastates_hist.commit import manifest_bytes, record_step
+from datastates_hist.digest import checksum_bytes
+from datastates_hist.dtypes import storage_torch_dtype
+from datastates_hist.group import Group
+from datastates_hist.index import Index
+from datastates_hist.items import TensorRecord
+from datastates_hist.retention import remove_steps
+from datastates_hist.store import Store
+from datastates_hist.verify import verify_run
+
+SUFFIX = {"adios2": ".bp", "hdf5": ".h5"}
+STEPS = (1, 2, 3, 4)
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "datastates_hist.cli", *args], capture_output=True, text=True)
+
+
+def make_run(run_dir, backend):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 4)  # weight: 512 bytes
+    with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+        for step in STEPS:
+            ckpt.wait_snapshot()
+            with torch.no_grad():
+                model.weight.add_(1)
+            ckpt.write(step, model)
+    return model
+
+
+def unit(step, backend):
+    return f"{step:012d}{SUFFIX[backend]}"
+
+
+def index_rows(run_dir):
+    conn = sqlite3.connect(os.path.join(run_dir, "index.sqlite"))
+    try:
+        return (conn.execute("SELECT * FROM steps ORDER BY step").fetchall(),
+                conn.execute("SELECT * FROM tensors ORDER BY step, name").fetchall())
+    finally:
+        conn.close()
+
+
+def set_location(run_dir, step, location):
+    conn = sqlite3.connect(os.path.join(run_dir, "index.sqlite"))
+    with conn:
+        conn.execute("UPDATE steps SET location=? WHERE step=?", (location, step))
+    conn.close()
+
+
+def location_message(run_dir, step, location, backend):
+    steps = os.path.join(run_dir, "steps")
+    return (f"the index row of step {step} in {run_dir} names {location!r} as the step's data, which must be "
+            f"'{step:012d}{SUFFIX[backend]}' or '{step:012d}.ranks' in {steps}: the index is damaged "
+            f"(rebuild it with: datastates-hist repair {run_dir})")
+
+
+def symlink_message(run_dir, step, name):
+    steps = os.path.join(run_dir, "steps")
+    return (f"the data of step {step} in {run_dir} ({os.path.join(steps, name)}) is a symbolic link; "
+            f"stored data is read and deleted only inside {steps}: refused")
+
+
+def outside_dir(tmp_path):
+    """A folder outside the run with a file in it that must survive."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "sentinel").write_text("keep me")
+    return outside
+
+
+# --- locations ------------------------------------------------------------------------
+
+def test_prune_refuses_an_absolute_location_and_changes_nothing(tmp_path, backend):
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    outside = outside_dir(tmp_path)
+    set_location(run_dir, 1, str(outside))
+    before = index_rows(run_dir)
+    listing = sorted(os.listdir(os.path.join(run_dir, "steps")))
+    message = location_message(run_dir, 1, str(outside), backend)
+
+    out = cli("prune", run_dir, "--keep-last", "2")
+    assert (out.returncode, out.stderr.strip()) == (4, f"datastates-hist: {message}")
+    # the writer refuses the run: it would delete step 1's own unit as uncommitted
+    with pytest.raises(dh.CorruptionError) as caught:
+        dh.Checkpointer(run_dir)
+    assert str(caught.value) == message
+    index = Index(run_dir, create=True)
+    try:  # pruning itself checks every row before it deletes any
+        with pytest.raises(dh.CorruptionError) as caught:
+            remove_steps(run_dir, index, [2, 1])
+        assert str(caught.value) == message
+    finally:
+        index.close()
+
+    assert (outside / "sentinel").read_text() == "keep me"
+    assert index_rows(run_dir) == before  # no row of any step was deleted
+    assert sorted(os.listdir(os.path.join(run_dir, "steps"))) == listing
+
+
+def test_a_location_outside_steps_is_reported_by_verify_and_refused_on_read(tmp_path, backend):
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    # an intact copy of the unit outside the run, reached by a relative path
+    shutil.copytree(os.path.join(run_dir, "steps"), tmp_path / "x")
+    crafted = f"../../x/{unit(1, backend)}"
+    set_location(run_dir, 1, crafted)
+    message = location_message(run_dir, 1, crafted, backend)
+
+    assert [(p.step, p.tensor, p.message) for p in verify_run(run_dir)] == [
+        (1, None, f"its data cannot be opened: {message}")]
+    out = cli("verify", run_dir, "--json")
+    assert out.returncode == 1, out.stderr
+    assert json.loads(out.stdout)["problems"] == [
+        {"step": 1, "tensor": None, "message": f"its data cannot be opened: {message}"}]
+    store = Store(run_dir)
+    try:
+        with pytest.raises(dh.CorruptionError) as caught:
+            store.open_step(1)
+        assert str(caught.value) == message
+    finally:
+        store.close()
+    with pytest.raises(dh.CorruptionError, match="names '../../x/"):
+        dh.open(run_dir).read("model/weight", 1)
+
+
+def test_a_location_of_another_step_is_refused(tmp_path, backend):
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    set_location(run_dir, 1, unit(2, backend))
+    before = index_rows(run_dir)
+    out = cli("prune", run_dir, "--keep-last", "1")
+    assert (out.returncode, out.stderr.strip()) == (
+        4, "datastates-hist: " + location_message(run_dir, 1, unit(2, backend), backend))
+    assert index_rows(run_dir) == before
+    assert sorted(os.listdir(os.path.join(run_dir, "steps"))) == [unit(s, backend) for s in STEPS]
+
+
+# --- symbolic links -------------------------------------------------------------------
+
+def test_a_symlinked_unit_is_refused_on_read_and_on_prune_and_its_target_kept(tmp_path, backend):
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    name = unit(1, backend)
+    weight = dh.open(run_dir).read("model/weight", 1)
+    link = os.path.join(run_dir, "steps", name)
+    target = str(tmp_path / name)
+    os.rename(link, target)
+    os.symlink(target, link)
+    before = index_rows(run_dir)
+    message = symlink_message(run_dir, 1, name)
+
+    store = Store(run_dir)
+    try:
+        with pytest.raises(dh.CorruptionError) as caught:
+            store.open_step(1)
+        assert str(caught.value) == message
+    finally:
+        store.close()
+    out = cli("prune", run_dir, "--keep-last", "2")
+    assert out.returncode == 4 and out.stderr.strip() == f"datastates-hist: {message}", out
+    assert index_rows(run_dir) == before
+    assert os.path.islink(link) and os.path.exists(target)
+    os.remove(link)  # the unit moved back: the step reads again
+    os.rename(target, link)
+    assert torch.equal(dh.open(run_dir).read("model/weight", 1), weight)
+
+
+def test_an_uncommitted_symlink_in_steps_is_removed_without_following_it(tmp_path, backend):
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    outside = outside_dir(tmp_path)
+    link = os.path.join(run_dir, "steps", unit(99, backend))
+    os.symlink(outside, link)
+    with dh.Checkpointer(run_dir) as ckpt:  # the writer removes what no row names
+        assert ckpt.steps() == list(STEPS)
+    assert not os.path.lexists(link)
+    assert (outside / "sentinel").read_text() == "keep me"
+
+
+def test_remove_tree_removes_a_link_not_its_target(tmp_path):
+    outside = outside_dir(tmp_path)
+    for name in ("to-dir", "to-file"):
+        os.symlink(outside if name == "to-dir" else outside / "sentinel", tmp_path / name)
+        remove_tree(str(tmp_path / name))
+        assert not os.path.lexists(tmp_path / name)
+    assert (outside / "sentinel").read_text() == "keep me"
+
+
+def write_ranks_step(run_dir, backend, step, tensor):
+    """A real one-rank ``.ranks`` unit of ``step`` holding ``tensor`` as the block of rank 0."""
+    array = tensor.numpy()
+    checksum = checksum_bytes(array.reshape(-1).view(np.uint8))
+    writer = RankFilesWriter(get_backend(backend), os.path.join(run_dir, "steps"), step, Group())
+    writer.define("w", array.dtype, array.shape, "float32")
+    writer.put("w", array, (0, 0))
+    record = TensorRecord("w", "float32", tuple(array.shape), array.nbytes, checksum,
+                          blocks=[{"start": [0, 0], "count": list(array.shape), "checksum": checksum, "part": 0}])
+    manifest = manifest_bytes(step, [record], {"items": {}, "objects": {}}, world_size=1)
+    writer.seal(manifest)
+    location = writer.publish()
+    index = Index(run_dir, create=True)
+    try:
+        record_step(index, backend, step, location, [record], manifest)
+    finally:
+        index.close()
+    return location
+
+
+def test_a_symlinked_rank_file_inside_a_ranks_unit_is_refused(tmp_path, backend):
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    tensor = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    location = write_ranks_step(run_dir, backend, 5, tensor)
+    assert location == "000000000005.ranks"
+    assert torch.equal(dh.open(run_dir).read("w", 5), tensor)  # the real unit reads back
+    rank_file = os.path.join(run_dir, "steps", location, f"rank00000{SUFFIX[backend]}")
+    target = str(tmp_path / "rank-file-elsewhere")
+    os.rename(rank_file, target)
+    os.symlink(target, rank_file)
+    store = Store(run_dir)
+    try:
+        with pytest.raises(dh.CorruptionError, match=(
+                rf"the manifest of step 5 in {run_dir} cannot be read: the step's data is damaged \(the file "
+                rf"of rank 0 \({rank_file}\) is a symbolic link; stored data is read and deleted only inside "
+                rf"{os.path.join(run_dir, 'steps', location)}: refused\)")):
+            store.open_step(5)
+    finally:
+        store.close()
+    assert os.path.exists(target)
+
+
+# --- declared sizes -------------------------------------------------------------------
+
+def rewrite_manifest(run_dir, step, edit):
+    """Write ``step``'s unit again with its backend's own writer, its tensors as they
+    are and its manifest changed by ``edit(doc)``; the index row takes the new
+    manifest's checksum, as a crafted store would."""
+    store = Store(run_dir)
+    try:
+        row = store.row(step)
+        with store.open_step(step) as data:
+            doc = json.loads(data.reader.manifest())
+            arrays = {n: data.read(n) for n in data.records}
+    finally:
+        store.close()
+    arrays = {n: t.view(storage_torch_dtype(t.dtype)).numpy() for n, t in arrays.items()}
+    backend = get_backend(row.backend)
+    remove_tree(os.path.join(run_dir, "steps", row.location))
+    writer = backend.begin_step(os.path.join(run_dir, "steps"), step)
+    for rec in doc["tensors"]:
+        array = np.ascontiguousarray(arrays[rec["name"]])
+        writer.define(rec["name"], array.dtype, array.shape, rec["dtype"])
+        writer.put(rec["name"], array, (0,) * array.ndim)
+    edit(doc)
+    manifest = json.dumps(doc, separators=(",", ":")).encode()
+    location = writer.finish(manifest)
+    conn = sqlite3.connect(os.path.join(run_dir, "index.sqlite"))
+    with conn:
+        conn.execute("UPDATE steps SET manifest_checksum=?, location=? WHERE step=?",
+                     (checksum_bytes(manifest), location, step))
+    conn.close()
+
+
+def weight_record(doc):
+    return next(r for r in doc["tensors"] if r["name"] == "model/weight")
+
+
+def crafted(**fields):
+    def edit(doc):
+        weight_record(doc).update(fields)
+    return edit
+
+
+def restore_not_strict(run_dir, step):
+    with dh.Checkpointer(run_dir) as ckpt:
+        return ckpt.restore(step, model=torch.nn.Linear(32, 4), strict=False)
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"shape": [2 ** 31, 2 ** 31]},
+     "tensor 'model/weight' declares shape [2147483648, 2147483648] of float32, which is "
+     "18446744073709551616 bytes, but records 512 bytes"),
+    ({"shape": [2 ** 27, 4]},
+     "tensor 'model/weight' declares shape [134217728, 4] of float32, which is 2147483648 bytes, "
+     "but records 512 bytes"),
+    ({"shape": [-4, -32]},
+     "tensor 'model/weight' has shape [-4, -32]: each dimension must be an integer from 0 to 2**63-1"),
+    ({"shape": [4.0, 32]},
+     "tensor 'model/weight' has shape [4.0, 32]: each dimension must be an integer from 0 to 2**63-1"),
+    ({"shape": [2 ** 64, 0]},
+     "tensor 'model/weight' has shape [18446744073709551616, 0]: each dimension must be an integer "
+     "from 0 to 2**63-1"),
+    ({"shape": "4x32"},
+     "tensor 'model/weight' has shape '4x32': each dimension must be an integer from 0 to 2**63-1"),
+    ({"nbytes": "512"},
+     "tensor 'model/weight' declares shape [4, 32] of float32, which is 512 bytes, but records '512' bytes"),
+    ({"dtype": "float99"}, "tensor 'model/weight' has an unknown dtype 'float99'"),
+    ({"blocks": [{"start": [0, 0], "count": [8, 32], "checksum": "", "part": None}]},
+     "tensor 'model/weight' has a malformed block: {'start': [0, 0], 'count': [8, 32], 'checksum': '', "
+     "'part': None}"),
+    ({"blocks": [{"start": [0, 0], "count": [2, 32], "checksum": "", "part": None}]},
+     "tensor 'model/weight' of shape [4, 32]: its blocks hold 64 of its 128 elements"),
+])
+def test_crafted_records_are_refused_before_anything_is_allocated(tmp_path, backend, fields, says):
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    rewrite_manifest(run_dir, 2, crafted(**fields))
+    with pytest.raises(dh.CorruptionError) as caught:
+        restore_not_strict(run_dir, 2)
+    assert str(caught.value) == f"the manifest of step 2 in {run_dir} is damaged: {says}"
+    problems = verify_run(run_dir)
+    assert [(p.step, p.tensor) for p in problems] == [(2, None)]
+    assert problems[0].message.endswith(says)
+
+
+def test_sizes_larger_than_the_stored_bytes_fail_before_memory_is_asked_for(tmp_path, backend):
+    """Shape and byte count agree, but are more than the unit holds (16 TiB here,
+    more than this machine's memory): refused by name, no MemoryError or OverflowError."""
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    rewrite_manifest(run_dir, 3, crafted(shape=[2 ** 40, 4], nbytes=2 ** 44))
+    with pytest.raises(dh.CorruptionError) as caught:
+        restore_not_strict(run_dir, 3)
+    name = os.path.join(run_dir, "steps", unit(3, backend))
+    stored = (os.path.getsize(name) if backend == "hdf5" else
+              sum(os.path.getsize(os.path.join(name, f)) for f in os.listdir(name)))
+    assert str(caught.value) == (f"the manifest of step 3 in {run_dir} is damaged: tensor 'model/weight' "
+                                 f"declares {2 ** 44} bytes, more than the {stored} bytes of the step's data")
+
+
+def test_a_restore_of_a_crafted_size_stays_small_in_memory(tmp_path, backend):
+    """2 GiB declared for a 512-byte tensor (shape and bytes agreeing): a non-strict
+    restore in a fresh process fails by name and its peak memory stays far below 2 GiB."""
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    rewrite_manifest(run_dir, 3, crafted(shape=[2 ** 27, 4], nbytes=2 ** 31))
+    script = (
+        "import resource, sys, torch, datastates_hist as dh\n"
+        "try:\n"
+        f"    dh.Checkpointer({run_dir!r}).restore(3, model=torch.nn.Linear(32, 4), strict=False)\n"
+        "except dh.CorruptionError as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+        "print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"CorruptionError the manifest of step 3 in {run_dir} is damaged: "
+                               f"tensor 'model/weight' declares {2 ** 31} bytes, more than the "), lines
+    assert int(lines[1].split()[1]) < 2 ** 30, lines
+
+
+def test_an_index_row_of_a_crafted_shape_is_named(tmp_path, backend):
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    conn = sqlite3.connect(os.path.join(run_dir, "index.sqlite"))
+    with conn:
+        conn.execute("UPDATE tensors SET shape='[134217728, 4]' WHERE step=2 AND name='model/weight'")
+    conn.close()
+    index = os.path.join(run_dir, "index.sqlite")
+    with pytest.raises(dh.CorruptionError) as caught:
+        dh.open(run_dir).tensors(2)
+    assert str(caught.value) == (
+        f"the index {index} is damaged: step 2: tensor 'model/weight' declares shape [134217728, 4] of "
+        f"float32, which is 2147483648 bytes, but records 512 bytes (rebuild it from the step data with: "
+        f"datastates-hist repair {run_dir})")
+    problems = verify_run(run_dir)
+    assert [(p.step, p.tensor) for p in problems] == [(2, None)] and "2147483648 bytes" in problems[0].message
+
+
+def test_a_box_outside_the_tensor_is_refused_as_a_bad_request(tmp_path, backend):
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    store = Store(run_dir)
+    try:
+        with store.open_step(1) as data:
+            for start, count in (((0, 30), (4, 8)), ((-1, 0), (2, 2)), ((0, 0), (5, 1))):
+                with pytest.raises(ValueError) as caught:
+                    data.read_box("model/weight", start, count)
+                assert str(caught.value) == (f"the box at {list(start)} of {list(count)} does not fit tensor "
+                                             "'model/weight' of shape [4, 32]")
+    finally:
+        store.close()
+
+
+# --- an empty index -------------------------------------------------------------------
+
+def test_a_zero_length_index_beside_step_data_is_damaged_for_every_reader_and_the_writer(tmp_path, backend):
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    index = os.path.join(run_dir, "index.sqlite")
+    open(index, "wb").close()
+    message = (f"the index {index} is damaged (it holds no tables) while {os.path.join(run_dir, 'steps')} "
+               f"holds 4 step unit(s): it was lost; rebuild it from the step data with: "
+               f"datastates-hist repair {run_dir}")
+    for open_it in (lambda: Index(run_dir), lambda: Store(run_dir), lambda: dh.Checkpointer(run_dir),
+                    lambda: verify_run(run_dir)):
+        with pytest.raises(dh.CorruptionError) as caught:
+            open_it()
+        assert str(caught.value) == message
+    out = cli("verify", run_dir)
+    assert (out.returncode, out.stderr.strip()) == (4, f"datastates-hist: {message}")
+    assert os.path.getsize(index) == 0  # nothing was written to it
+    out = cli("repair", run_dir)
+    assert out.returncode == 0, out.stderr
+    assert dh.open(run_dir).steps == list(STEPS)
+
+
+def test_a_zero_length_index_without_step_data_is_being_created_and_the_writer_creates_it(tmp_path, backend):
+    run_dir = str(tmp_path / "run")
+    os.makedirs(os.path.join(run_dir, "steps"))
+    open(os.path.join(run_dir, "index.sqlite"), "wb").close()  # a writer stopped right after creating it
+    with pytest.raises(dh.StoreNotFoundError, match=r"has an empty index \(index.sqlite has no tables\) and no "
+                                                    r"step data: a writer is creating it"):
+        Store(run_dir)
+    assert cli("verify", run_dir).returncode == 3
+    model = torch.nn.Linear(4, 2)
+    with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+        ckpt.write(0, model)
+    assert torch.equal(dh.open(run_dir).read("model/weight", 0), model.weight.detach())
