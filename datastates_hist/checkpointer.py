@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import atexit
 import errno
-import fcntl
 import operator
 import os
-import socket
 import sqlite3
 import sys
 import threading
@@ -30,7 +28,7 @@ from .cache import HostCache
 from .commit import commit_collective, commit_step, remove_uncommitted
 from .dtypes import STORABLE, storage_dtype
 from .errors import (
-    CheckpointError, CorruptionError, StepNotFoundError, StepOrderError, StoreLockedError,
+    CheckpointError, CorruptionError, StepNotFoundError, StepOrderError,
 )
 from .flush import Flusher
 from .group import as_group
@@ -40,14 +38,11 @@ from .providers import Context, provider_for
 from .restore import Restored, restore_step
 from .sharding import dtensor_item, is_dtensor, split_replicated
 from .snapshot import PendingCheckpoint, Snapshotter
-from .store import steps_dir
+from .layout import MAX_STEP, finished_units, steps_dir, take_writer_lock
 from .torch_providers import RNG, parameter_names
 
 DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_PIECE_BYTES = 64 << 20
-# The largest step: the index stores steps as SQLite INTEGER (signed 64-bit);
-# the name of a step's unit (backends.base.step_stem) holds any of them.
-MAX_STEP = 2**63 - 1
 
 
 class Checkpointer:
@@ -129,7 +124,7 @@ class Checkpointer:
             raise PermissionError(f"cannot create the run directory {self.path}: {exc.strerror}") from exc
         if not os.access(self.path, os.W_OK):
             raise PermissionError(f"the run directory {self.path} is not writable: {_why_not_writable(self.path)}")
-        self._lock_fd = _take_lock(self.path)
+        self._lock_fd = take_writer_lock(self.path)
         try:
             _check_index_exists(self.path)
             self.index = Index(self.path, create=True, backend=backend or "adios2")
@@ -457,7 +452,7 @@ def _check_index_exists(run_dir: str) -> None:
     lost, and the new one would make the writer delete every step as uncommitted."""
     if os.path.exists(index_path(run_dir)):
         return
-    finished = [e for e in os.listdir(steps_dir(run_dir)) if not e.endswith(".partial")]
+    finished = finished_units(run_dir)
     if finished:
         raise CorruptionError(
             f"{run_dir} holds {len(finished)} step(s) of data but no index ({index_path(run_dir)} is "
@@ -590,26 +585,3 @@ def _check_shard(name: str, item: TensorItem) -> None:
 
 def _why_not_writable(path: str) -> str:
     return "read-only file system" if os.statvfs(path).f_flag & os.ST_RDONLY else "permission denied"
-
-
-def _take_lock(run_dir: str) -> int:
-    path = os.path.join(run_dir, "writer.lock")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
-        raise PermissionError(f"the run directory {run_dir} is not writable: {exc.strerror.lower()} "
-                              f"(cannot open its lock file {path})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise StoreLockedError(
-            f"{run_dir} is being written by {holder}; one writer per run "
-            "(read it with datastates_hist.open, or wait for that process to end)"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
-    return fd

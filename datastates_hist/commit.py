@@ -30,7 +30,7 @@ from .digest import checksum_bytes
 from .errors import CorruptionError
 from .index import FORMAT_VERSION, Index, StepRow
 from .items import TensorRecord
-from .layout import check_location
+from .layout import PARTIAL, check_location
 
 
 def manifest_bytes(step: int, records: list[TensorRecord], values: dict, **more) -> bytes:
@@ -174,7 +174,7 @@ def _refuse_units_older_than_index(index: Index, steps_dir: str, unnamed: list[s
         return
     older = []
     for entry in unnamed:
-        if entry.endswith(".partial"):
+        if entry.endswith(PARTIAL):
             continue  # never committed
         try:
             st = os.lstat(os.path.join(steps_dir, entry))

@@ -249,6 +249,10 @@ class Index:
                 f"with: datastates-hist repair {self.run_dir})"
             ) from None
 
+    def record_keys(self, step: int) -> list[tuple]:
+        """``(name, dtype, shape as JSON, nbytes, checksum)`` of the tensors of ``step``, as stored."""
+        return self._read("SELECT name, dtype, shape, nbytes, checksum FROM tensors WHERE step=?", (step,))
+
     def tensor_stats(self, name: str) -> list[tuple]:
         """``(step, time, norm, min, max, mean, std, nonfinite)`` of tensor ``name`` at every step."""
         return self._read(

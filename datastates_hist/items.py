@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .dtypes import storage_dtype, torch_dtype
@@ -124,6 +125,9 @@ class TensorRecord:
         if not _is_int(self.nbytes) or self.nbytes != expected:
             raise ValueError(f"tensor {name!r} declares shape {list(self.shape)} of {self.dtype}, which is "
                              f"{expected} bytes, but records {self.nbytes!r} bytes")
+        if self.encoding != "raw":
+            raise ValueError(f"tensor {name!r} has the encoding {self.encoding!r}, which this version "
+                             "does not write or read")
         if self.blocks is not None:
             self._check_blocks()
 
@@ -135,14 +139,33 @@ class TensorRecord:
                   and _is_dims(_tuple(b.get("count")))
                   and len(b["start"]) == len(self.shape) == len(b["count"])
                   and all(s + c <= n for s, c, n in zip(b["start"], b["count"], self.shape))
-                  and (b.get("part") is None or _is_int(b["part"])) and isinstance(b.get("checksum", ""), str))
+                  and (b.get("part") is None or _is_int(b["part"]))
+                  and isinstance(b.get("checksum"), str) and b["checksum"])
             if not ok:
-                raise ValueError(f"tensor {self.name!r} has a malformed block: {b!r}")
-        total = math.prod(self.shape)
-        held = sum(math.prod(b["count"]) for b in self.blocks)
-        if total and held != total:
-            raise ValueError(f"tensor {self.name!r} of shape {list(self.shape)}: its blocks hold {held} of its "
-                             f"{total} elements")
+                raise ValueError(f"tensor {self.name!r} has a malformed block: {str(b)[:200]}")
+        problem = tiling_problem(self.shape, self.blocks)
+        if problem:
+            raise ValueError(f"tensor {self.name!r} of shape {list(self.shape)}: {problem}")
+
+
+def tiling_problem(shape: tuple[int, ...], blocks: list[dict]) -> str | None:
+    """Why the boxes ``blocks`` (``{"start", "count"}``, inside ``shape``) do not hold
+    every element of ``shape`` exactly once, or None when they tile it."""
+    total = math.prod(shape)
+    if len(shape) and len(blocks) > 1:
+        lo = np.array([b["start"] for b in blocks], dtype=object if total >= 2**62 else np.int64)
+        hi = lo + np.array([b["count"] for b in blocks], dtype=lo.dtype)
+        nonempty = np.all(hi > lo, axis=1)
+        overlap = np.all((lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :]), axis=2)
+        overlap &= nonempty[:, None] & nonempty[None, :]
+        np.fill_diagonal(overlap, False)
+        if overlap.any():
+            i, j = map(int, np.argwhere(overlap)[0])
+            return f"its blocks at {blocks[i]['start']} and {blocks[j]['start']} overlap"
+    held = sum(math.prod(b["count"]) for b in blocks)
+    if total and held != total:
+        return f"{held} of its {total} elements are in its blocks"
+    return None
 
 
 def _tuple(value):

@@ -13,16 +13,23 @@ damaged or crafted, so a location is used only once :func:`unit_path` has checke
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import socket
 import stat
 
 from .backends import get_backend
 from .backends.base import entry_path, step_stem
 from .backends.ranks import RANKS_SUFFIX
-from .errors import CorruptionError
+from .errors import CorruptionError, StoreLockedError
 
 STEPS_DIR = "steps"
 PARTIAL = ".partial"  # a unit being written; never committed
+WRITER_LOCK = "writer.lock"
+# The largest step: the index stores steps as SQLite INTEGER (signed 64-bit);
+# the name of a step's unit (backends.base.step_stem) holds any of them.
+MAX_STEP = 2**63 - 1
 
 
 def steps_dir(run_dir: str) -> str:
@@ -97,3 +104,28 @@ def unit_bytes(path: str) -> int:
 def _file_bytes(path: str) -> int:
     st = os.lstat(path)
     return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+
+def take_writer_lock(run_dir: str) -> int:
+    """Take the run's one writer lock (``RUN/writer.lock``, flock); its descriptor.
+    Raises :class:`StoreLockedError` naming the holder."""
+    path = os.path.join(run_dir, WRITER_LOCK)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise PermissionError(f"the run directory {run_dir} is not writable: {exc.strerror.lower()} "
+                              f"(cannot open its lock file {path})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise StoreLockedError(
+            f"{run_dir} is being written by {holder}; one writer per run "
+            "(read it with datastates_hist.open, or wait for that process to end)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    return fd

@@ -45,16 +45,15 @@ from dataclasses import dataclass, field
 from .backends import backend_names, get_backend
 from .backends.base import fsync_dir, fsync_path
 from .backends.ranks import RANKS_SUFFIX, rank_file
-from .checkpointer import _take_lock
 from .digest import checksum_bytes
 from .errors import CorruptionError, FormatError, StoreNotFoundError
 from .index import FORMAT_VERSION, INDEX_FILE, Index, StepRow, index_path
 from .items import TensorRecord
-from .store import StepData, steps_dir
+from .layout import MAX_STEP, finished_units, steps_dir, take_writer_lock
+from .store import StepData
 
 DAMAGED_DIR = "damaged"
 REBUILDING_DIR = INDEX_FILE + ".rebuilding"  # the new index is built here, then renamed into place
-MAX_STEP = 2**63 - 1  # the largest SQLite INTEGER
 
 
 @dataclass
@@ -104,7 +103,7 @@ def diagnose(run_dir: str) -> str | None:
         return str(exc)
     finally:
         index.close()
-    units = set(_units(run_dir))
+    units = set(finished_units(run_dir))
     if named - units:
         return f"the index names step data that is missing: {', '.join(sorted(named - units))}"
     if units - named:
@@ -131,7 +130,7 @@ def repair_run(run_dir: str, force: bool = False, verify: bool = True) -> Repair
     run_dir = os.fspath(run_dir)
     if not os.path.isdir(steps_dir(run_dir)):
         raise StoreNotFoundError(f"no run at {run_dir} (no steps/ folder)")
-    lock_fd = _take_lock(run_dir)
+    lock_fd = take_writer_lock(run_dir)
     try:
         leftover_removed = _remove_rebuilding(run_dir)
         diagnosis = diagnose(run_dir)
@@ -144,18 +143,13 @@ def repair_run(run_dir: str, force: bool = False, verify: bool = True) -> Repair
             for unit, why in bad:
                 _set_aside(run_dir, unit, why, report)
             report.moved_index = _swap_in(run_dir, new_index)
-            with_data = {_step_of(u) for u in _units(run_dir) + list(report.set_aside)} - {None}
+            with_data = {_step_of(u) for u in finished_units(run_dir) + list(report.set_aside)} - {None}
             report.lost = sorted(set(old_times) - with_data)
         report.leftover_removed = leftover_removed
         report.in_damaged = _in_damaged(run_dir)
         return report
     finally:
         os.close(lock_fd)
-
-
-def _units(run_dir: str) -> list[str]:
-    """Finished step units (not ``.partial``) in ``steps/``, sorted."""
-    return sorted(e for e in os.listdir(steps_dir(run_dir)) if not e.endswith(".partial"))
 
 
 def _step_of(unit: str) -> int | None:
@@ -202,7 +196,7 @@ def _build_aside(run_dir: str, old_times: dict[int, float], verify: bool):
     """Write the new index in ``RUN/index.sqlite.rebuilding/``, one row per intact unit
     as it is read: ``(its path, the steps committed, [(unit, why) for the units that
     cannot be committed])``."""
-    units = _units(run_dir)
+    units = finished_units(run_dir)
     backends = _backends_by_suffix()
     known = [b for b in (_backend_of(run_dir, u, backends, strict=False) for u in units) if b]
     main = Counter(known).most_common(1)[0][0] if known else "adios2"
@@ -340,14 +334,11 @@ def _read_unit(run_dir: str, unit: str, backends, old_times: dict[int, float],
 
 
 def _check_inside_steps(run_dir: str, unit: str) -> None:
-    """Refuse a symbolic link that leads out of ``steps/``: the run's data lies inside it."""
+    """Refuse a symbolic link, as every reader does (:func:`backends.base.entry_path`):
+    the run's data lies inside it."""
     path = os.path.join(steps_dir(run_dir), unit)
-    if not os.path.islink(path):
-        return
-    inside = os.path.realpath(steps_dir(run_dir))
-    if os.path.commonpath([os.path.realpath(path), inside]) != inside:
-        raise ValueError(f"a symbolic link to {os.readlink(path)}, outside steps/: "
-                         "not followed (step data must lie inside the run)")
+    if os.path.islink(path):
+        raise ValueError(f"a symbolic link to {os.readlink(path)}: not followed (step data must lie inside the run)")
 
 
 def _mtime(run_dir: str, unit: str) -> float:

@@ -10,13 +10,14 @@ a non-strict restore skips the targets whose problems concern them whole
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from . import values as values_codec
-from .errors import RestoreMismatchError
+from .errors import CorruptionError, RestoreMismatchError
 from .items import under
 from .providers import Context, Problems, StoredState, provider_for
 from .store import Store
@@ -77,7 +78,8 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
                 if prefix not in objects:
                     problems.missing.append(prefix)
                 else:
-                    checked[prefix] = provider_for(obj).check(obj, state_of(prefix), ctx)
+                    with _named_as_damage(prefix, step, run_dir):
+                        checked[prefix] = provider_for(obj).check(obj, state_of(prefix), ctx)
                     problems.extend(checked[prefix], prefix)
             if strict and problems:
                 raise RestoreMismatchError(step, problems.missing, problems.unexpected, problems.mismatched)
@@ -97,10 +99,22 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
             for prefix, kind in objects.items():
                 key = prefix[6:]
                 if prefix.startswith("extra/") and key not in restored.extra:
-                    restored.extra[key] = _rebuild(state_of(prefix), kind)
+                    with _named_as_damage(prefix, step, run_dir):
+                        restored.extra[key] = _rebuild(state_of(prefix), kind)
             return restored
     finally:
         store.close()
+
+
+@contextmanager
+def _named_as_damage(prefix: str, step: int, run_dir: str):
+    """A stored state that its provider cannot take apart (a value of another
+    structure than the provider writes: damaged or crafted) is named as damage."""
+    try:
+        yield
+    except (TypeError, KeyError, AttributeError, IndexError) as exc:
+        raise CorruptionError(f"the stored state of {prefix!r} in step {step} of {run_dir} is not what its "
+                              f"provider wrote ({type(exc).__name__}: {exc}): the step's data is damaged") from exc
 
 
 def _rebuild(state: StoredState, kind: str) -> Any:

@@ -22,12 +22,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 
 from .digest import checksum_bytes
 from .dtypes import storage_dtype
-from .items import TensorItem, TensorRecord
+from .items import TensorItem, TensorRecord, tiling_problem
 
 
 def is_dtensor(t: Any) -> bool:
@@ -139,26 +138,17 @@ def _merge(name: str, found: list[tuple[int, TensorRecord]], parts: bool) -> Ten
 
 
 def _check_tiling(name: str, shape, blocks: list[dict], ranks: list[int]) -> None:
-    total = math.prod(shape)
+    problem = tiling_problem(tuple(shape), blocks)
+    if problem is None:
+        return
+    if "overlap" in problem:
+        raise ValueError(f"tensor {name!r}: {problem.removeprefix('its ')} (two ranks wrote the same part: "
+                         "is a replicated tensor declared as a shard?)")
     covered = sum(math.prod(b["count"]) for b in blocks)
-    if len(shape) and len(blocks) > 1:
-        lo = np.array([b["start"] for b in blocks])
-        hi = lo + np.array([b["count"] for b in blocks])
-        nonempty = np.all(hi > lo, axis=1)
-        overlap = np.all((lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :]), axis=2)
-        overlap &= nonempty[:, None] & nonempty[None, :]
-        np.fill_diagonal(overlap, False)
-        if overlap.any():
-            i, j = map(int, np.argwhere(overlap)[0])
-            raise ValueError(
-                f"tensor {name!r}: blocks at {blocks[i]['start']} and {blocks[j]['start']} overlap "
-                "(two ranks wrote the same part: is a replicated tensor declared as a shard?)"
-            )
-    if covered != total and not (total == 0):
-        raise ValueError(
-            f"tensor {name!r} of shape {list(shape)}: the ranks wrote {covered} of its {total} elements "
-            f"(blocks from ranks {sorted(set(ranks))}); every element must be written by exactly one rank"
-        )
+    raise ValueError(
+        f"tensor {name!r} of shape {list(shape)}: the ranks wrote {covered} of its {math.prod(shape)} elements "
+        f"(blocks from ranks {sorted(set(ranks))}); every element must be written by exactly one rank"
+    )
 
 
 def combine_stats(parts: list[tuple[int, dict]]) -> dict:

@@ -129,7 +129,7 @@ class StepData:
         except KeyError as exc:
             raise CorruptionError(f"the manifest of step {row.step} in {run_dir} is damaged: "
                                   f"it has no {exc.args[0]!r}") from None
-        except (ValueError, TypeError, AttributeError) as exc:
+        except (ValueError, TypeError, AttributeError, RecursionError) as exc:
             raise CorruptionError(f"the manifest of step {row.step} in {run_dir} is damaged: {exc}") from None
         self._prefetched: dict[str, np.ndarray] = {}
 
@@ -137,7 +137,7 @@ class StepData:
         """Raw tensors are stored byte for byte: a record that declares more bytes
         than the unit holds is damaged, and is refused before memory is allocated for it."""
         stored = unit_bytes(unit_path(self.run_dir, self.row))
-        declared = [r for r in self.records.values() if r.encoding == "raw"]
+        declared = self.records.values()
         for rec in declared:
             if rec.nbytes > stored:
                 raise ValueError(f"tensor {rec.name!r} declares {rec.nbytes} bytes, more than the {stored} "
@@ -343,20 +343,19 @@ class Store:
 
     def _check_records(self, data: StepData) -> None:
         """The manifest and the index rows must describe the same tensors: a read
-        takes dtype and shape from the manifest, a listing from the index."""
-        indexed = {r.name: r for r in self.index.records(data.row.step)}
+        takes dtype and shape from the manifest, a listing from the index. (Compared
+        as stored: the manifest's records are checked already.)"""
+        indexed = {row[0]: row[1:] for row in self.index.record_keys(data.row.step)}
         for name in sorted(indexed.keys() ^ data.records.keys()):
             where = "the manifest" if name in data.records else "the index"
             raise CorruptionError(f"step {data.row.step} in {self.run_dir}: only {where} lists tensor {name!r}: "
                                   "the index or the step's data is damaged")
         for name, rec in data.records.items():
-            have = indexed[name]
-            if (have.dtype, tuple(have.shape), have.nbytes, have.checksum) != (
-                    rec.dtype, tuple(rec.shape), rec.nbytes, rec.checksum):
+            if indexed[name] != (rec.dtype, json.dumps(list(rec.shape)), rec.nbytes, rec.checksum):
                 raise CorruptionError(
-                    f"step {data.row.step} in {self.run_dir}: tensor {name!r} is {rec.dtype} "
-                    f"{list(rec.shape)} in the manifest but {have.dtype} {list(have.shape)} in the index "
-                    "(or their sizes or checksums differ): the index or the step's data is damaged")
+                    f"step {data.row.step} in {self.run_dir}: tensor {name!r} is {rec.dtype} {list(rec.shape)} "
+                    f"in the manifest but {indexed[name][0]} {indexed[name][1]} in the index (or their sizes or "
+                    "checksums differ): the index or the step's data is damaged")
 
     def close(self) -> None:
         self.index.close()

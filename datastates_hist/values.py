@@ -10,11 +10,14 @@ a store from elsewhere cannot run code.
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import math
 from typing import Any
 
 import numpy as np
+
+from .errors import CorruptionError
 
 TAGS = ("__tuple__", "__bytes__", "__dict__", "__tensor__", "__ndarray__", "__float__")
 
@@ -131,26 +134,34 @@ def decode(data: Any, tensors: dict | None = None) -> Any:
     """Rebuild a value from :func:`encode`'s output.
 
     ``tensors`` maps the names of ``{"__tensor__": name}`` placeholders to the
-    tensors that replace them.
+    tensors that replace them. A stored value that :func:`encode` cannot have
+    written (damaged or crafted) raises :class:`CorruptionError`.
     """
+    try:
+        return _decode(data, tensors)
+    except (TypeError, ValueError, KeyError, binascii.Error, RecursionError) as exc:
+        raise CorruptionError(f"a stored value is malformed ({type(exc).__name__}: {exc})") from None
+
+
+def _decode(data: Any, tensors: dict | None) -> Any:
     if isinstance(data, list):
-        return [decode(v, tensors) for v in data]
+        return [_decode(v, tensors) for v in data]
     if isinstance(data, dict):
         if len(data) == 1:
             (tag, inner), = data.items()
             if tag == "__tuple__":
-                return tuple(decode(v, tensors) for v in inner)
+                return tuple(_decode(v, tensors) for v in inner)
             if tag == "__bytes__":
                 return base64.b64decode(inner)
             if tag == "__float__":
                 return float(inner)
             if tag == "__dict__":
-                return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in inner}
+                return {_hashable(_decode(k, tensors)): _decode(v, tensors) for k, v in inner}
             if tag in ("__tensor__", "__ndarray__"):
                 if tensors is None or inner not in tensors:
                     raise KeyError(f"the value refers to tensor {inner!r}, which was not loaded")
                 return tensors[inner] if tag == "__tensor__" else tensors[inner].numpy()
-        return {k: decode(v, tensors) for k, v in data.items()}
+        return {k: _decode(v, tensors) for k, v in data.items()}
     return data
 
 

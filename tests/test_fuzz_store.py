@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import fuzz_store  # noqa: E402
 
-CASES = 60
+CASES = 100
 
 
 def test_fuzzed_runs_end_in_a_named_error_or_a_correct_read(backend):

@@ -16,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -326,8 +327,15 @@ def restore_not_strict(run_dir, step):
     ({"blocks": [{"start": [0, 0], "count": [8, 32], "checksum": "", "part": None}]},
      "tensor 'model/weight' has a malformed block: {'start': [0, 0], 'count': [8, 32], 'checksum': '', "
      "'part': None}"),
-    ({"blocks": [{"start": [0, 0], "count": [2, 32], "checksum": "", "part": None}]},
-     "tensor 'model/weight' of shape [4, 32]: its blocks hold 64 of its 128 elements"),
+    ({"blocks": [{"start": [0, 0], "count": [2, 32], "checksum": "0" * 16, "part": None}]},
+     "tensor 'model/weight' of shape [4, 32]: 64 of its 128 elements are in its blocks"),
+    ({"blocks": [{"start": [0, 0], "count": [2, 32], "checksum": "0" * 16, "part": None}] * 2},
+     "tensor 'model/weight' of shape [4, 32]: its blocks at [0, 0] and [0, 0] overlap"),
+    ({"blocks": [{"start": [0, 0], "count": [4, 32], "checksum": "", "part": None}]},
+     "tensor 'model/weight' has a malformed block: {'start': [0, 0], 'count': [4, 32], 'checksum': '', "
+     "'part': None}"),
+    ({"encoding": "delta"},
+     "tensor 'model/weight' has the encoding 'delta', which this version does not write or read"),
 ])
 def test_crafted_records_are_refused_before_anything_is_allocated(tmp_path, backend, fields, says):
     run_dir = str(tmp_path / "run")
@@ -446,3 +454,61 @@ def test_a_zero_length_index_without_step_data_is_being_created_and_the_writer_c
     with dh.Checkpointer(run_dir, backend=backend) as ckpt:
         ckpt.write(0, model)
     assert torch.equal(dh.open(run_dir).read("model/weight", 0), model.weight.detach())
+
+
+def test_hdf5_data_stored_outside_the_file_is_refused(tmp_path):
+    """External storage and links would read other files: refused, not read."""
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, "hdf5")
+    outside = tmp_path / "outside.bin"
+    np.arange(128, dtype=np.float32).tofile(outside)
+    path = os.path.join(run_dir, "steps", unit(2, "hdf5"))
+    with h5py.File(path, "r+") as f:
+        del f["model/weight"]
+        f.create_dataset("model/weight", shape=(4, 32), dtype=np.float32, external=[(str(outside), 0, 512)])
+    with dh.open(run_dir) as h, pytest.raises(dh.CorruptionError) as caught:
+        h.read("model/weight", 2, index=(slice(0, 2),))  # a box read, which skips the checksum
+    assert str(caught.value) == (f"tensor 'model/weight' of step 2 in {run_dir} cannot be read: dataset "
+                                 f"'model/weight' of {path} stores its data outside the file")
+    with h5py.File(path, "r+") as f:
+        del f["model/weight"]
+        f["model/weight"] = h5py.SoftLink("/model/bias")
+    with dh.open(run_dir) as h, pytest.raises(dh.CorruptionError, match=(
+            f"the data of step 2 in {run_dir} is damaged: {path} holds a SoftLink at 'model/weight'; "
+            "step files hold only their own datasets")):
+        h.read("model/weight", 2)
+
+
+def test_an_hdf5_manifest_declaring_more_than_its_file_stores_is_refused(tmp_path):
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, "hdf5")
+    path = os.path.join(run_dir, "steps", unit(2, "hdf5"))
+    with h5py.File(path, "r+") as f:  # 1 GiB declared, nothing stored: a read would allocate it
+        del f["__manifest__"]
+        f.create_dataset("__manifest__", shape=(2 ** 30,), dtype=np.uint8, chunks=(2 ** 20,))
+    with dh.open(run_dir) as h, pytest.raises(dh.CorruptionError) as caught:
+        h.read("model/weight", 2)
+    assert str(caught.value) == (f"the manifest of step 2 in {run_dir} cannot be read: the step's data is "
+                                 f"damaged (the manifest of {path} declares more bytes than the file stores for it)")
+
+
+def test_crafted_optimizer_groups_are_named_as_damage(tmp_path, backend):
+    run_dir = str(tmp_path / "run")
+    model = torch.nn.Linear(32, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+        model(torch.ones(1, 32)).sum().backward()
+        opt.step()
+        ckpt.write(2, model, opt)
+
+    def edit(doc):
+        doc["values"]["items"]["optim/param_groups"] = {"type": "SGD", "groups": 5}
+    rewrite_manifest(run_dir, 2, edit)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for strict in (True, False):
+        with dh.Checkpointer(run_dir) as ckpt, pytest.raises(dh.CorruptionError) as caught:
+            ckpt.restore(2, model=model, optimizer=opt, strict=strict)
+        assert str(caught.value) == (
+            f"the stored state of 'optim' in step 2 of {run_dir} is not what its provider wrote "
+            "(TypeError: 'int' object is not iterable): the step's data is damaged")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing loaded

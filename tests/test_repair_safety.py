@@ -246,7 +246,7 @@ def test_repair_sets_aside_a_symbolic_link_out_of_steps(tmp_path, backend):
                          capture_output=True, text=True)
     assert out.returncode == 1, out.stderr
     assert "  rebuilt the index with 3 steps (0..2)" in out.stdout
-    assert (f"  not committed, moved to damaged/{unit}: a symbolic link to {target}, outside steps/: not "
+    assert (f"  not committed, moved to damaged/{unit}: a symbolic link to {target}: not "
             "followed (step data must lie inside the run)") in out.stdout
     assert os.path.islink(os.path.join(run_dir, "damaged", unit)) and os.path.exists(target)
     with dh.open(run_dir) as h:

@@ -74,7 +74,7 @@ def plant_crafted_steps(run_dir, marker):
     """Steps 5 and 6 added by hand: a valid HDF5 step whose tensor bytes and values are
     the payload under pickle-like tags, and a row pointing at a pickle posing as a step."""
     blob = payload(marker)
-    records = [TensorRecord("model/weight", "uint8", (len(blob),), len(blob), checksum_bytes(blob), "pickle")]
+    records = [TensorRecord("model/weight", "uint8", (len(blob),), len(blob), checksum_bytes(blob), "raw")]
     values = {"items": {"extra/cfg": {"__pickle__": base64.b64encode(blob).decode()},
                         "extra/obj": {"py/object": "builtins.exec", "py/reduce": blob.hex()}},
               "objects": {"model": "ModuleProvider", "extra/cfg": "TreeProvider",

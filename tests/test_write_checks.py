@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import datastates_hist as dh
-from datastates_hist.checkpointer import MAX_STEP
+from datastates_hist.layout import MAX_STEP
 
 NAME_RULE = "which the backends cannot store; use keys that are not empty, '.' or '..'"
 

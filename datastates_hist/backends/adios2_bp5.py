@@ -186,6 +186,10 @@ class Adios2StepReader(StepReader):
 
     def _bytes(self, name: str) -> bytes:
         (n,) = self.file.shape(name)
+        stored = sum(os.path.getsize(os.path.join(self.path, f)) for f in os.listdir(self.path)
+                     if f.startswith("data."))
+        if n > stored:  # checked before the memory is asked for
+            raise ValueError(f"{name} of {self.path} declares {n} bytes, more than the {stored} bytes of its data")
         out = np.empty(n, dtype=np.uint8)
         self.file.get(name, out.ctypes.data, (0,), (n,))
         return out.tobytes()

@@ -101,11 +101,33 @@ class HDF5StepReader(StepReader):
             self.file = h5py.File(path, "r")
         except OSError as exc:  # h5py's message does not name the file
             raise OSError(f"{path} cannot be opened as HDF5: {exc}") from exc
+        self.path = path
+        self.file.visititems_links(self._refuse_link)
+
+    def _refuse_link(self, name: str, link) -> None:
+        """Only hard links: a soft or external link may lead to other data or another file."""
+        if not isinstance(link, h5py.HardLink):
+            self.file.close()
+            raise ValueError(f"{self.path} holds a {type(link).__name__} at {name!r}; step files hold "
+                             "only their own datasets")
+
+    def _dataset(self, name: str):
+        """Dataset ``name``, if its bytes lie in this file: external storage or a virtual
+        layout would read other files."""
+        dsid = h5py.h5d.open(self.file.id, name.encode())
+        plist = dsid.get_create_plist()
+        if plist.get_external_count() or plist.get_layout() == h5py.h5d.VIRTUAL:
+            raise ValueError(f"dataset {name!r} of {self.path} stores its data outside the file")
+        return dsid
 
     def manifest(self) -> bytes:
+        dsid = self._dataset(MANIFEST)
+        if dsid.get_storage_size() < dsid.get_space().get_select_npoints():
+            raise ValueError(f"the manifest of {self.path} declares more bytes than the file stores for it")
         return self.file[MANIFEST][()].tobytes()
 
     def read(self, name, out, start, part=None):
+        self._dataset(name)
         ds = self.file[name]
         if out.size == 0:
             return
@@ -121,7 +143,7 @@ class HDF5StepReader(StepReader):
         for name, out, start in requests:
             if out.size == 0:
                 continue
-            dsid = h5py.h5d.open(self.file.id, name.encode())
+            dsid = self._dataset(name)
             shape = dsid.shape
             if shape != out.shape and not (shape == () and out.shape in ((), (1,))):
                 raise ValueError(f"dataset {name} has shape {shape}, expected {out.shape}")

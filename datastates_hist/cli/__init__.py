@@ -39,7 +39,7 @@ EXIT_CODES = {
 
 def step_number(text: str) -> int:
     """A step given on the command line: a whole number the index can hold."""
-    from ..checkpointer import MAX_STEP
+    from ..layout import MAX_STEP
 
     try:
         step = int(text)
