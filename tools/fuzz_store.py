@@ -1,8 +1,8 @@
 """Store fuzzer: damage committed runs at random, then read them as a user would.
 
 Each case copies a small committed run (3 steps of a model with Adam state,
-extras, a bfloat16 and an integer tensor), applies one random mutation and
-then reads everything through the public API: ``dh.open`` (steps, tensor
+extras, a bfloat16 and an integer tensor), applies one to three random
+mutations and then reads everything through the public API: ``dh.open`` (steps, tensor
 tables, statistics, every tensor of every step, a diff), ``verify_run``, the
 CLI's ``ls``/``show``/``verify``, and a strict ``restore`` into a fresh model
 and optimizer. Mutations: index rows (locations, backends, step numbers,
@@ -342,7 +342,7 @@ def mutate_manifest(rng, run_dir, outside):
             arrays[rec["name"]] = (arr, rec["dtype"])
     finally:
         reader.close()
-    what = _manifest_edits(rng, doc)
+    what = "; ".join(_manifest_edits(rng, doc) for _ in range(rng.choice((1, 1, 2))))
     new = json.dumps(doc).encode() if rng.random() < 0.9 else rng.choice([b"[]", b"{", b"null", b"\xff\xfe"])
     path = os.path.join(steps, location)
     shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
@@ -498,13 +498,15 @@ def run_case(base: str, ref: dict, declared: int, backend: str, seed: int, case:
     (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, os.path.join(outside, "unit"))
     with open(os.path.join(outside, "sentinel"), "w") as f:
         f.write("must survive")
-    before = _tree_state(outside)
-    mutation = rng.choice(MUTATIONS)
-    result = {"case": case, "mutation": mutation.__name__}
-    try:
-        result["what"] = mutation(rng, run_dir, outside)
-    except Exception as exc:  # a mutation that does not apply to this run: still read it
-        result["what"] = f"{mutation.__name__} did not apply ({type(exc).__name__}: {exc})"
+    mutations = [rng.choice(MUTATIONS) for _ in range(rng.choice((1, 1, 2, 3)))]  # damage comes in twos too
+    result = {"case": case, "mutation": mutations[0].__name__, "what": []}
+    for mutation in mutations:
+        try:
+            result["what"].append(mutation(rng, run_dir, outside))
+        except Exception as exc:  # a mutation that does not apply to this run: still read it
+            result["what"].append(f"{mutation.__name__} did not apply ({type(exc).__name__}: {exc})")
+    result["what"] = "; ".join(result["what"])
+    before = _tree_state(outside)  # after the damage: a mutation may write through a link it made
     _peak_rss_reset()
     base_rss = _peak_rss()
     try:
