@@ -249,6 +249,10 @@ class Index:
                 f"with: datastates-hist repair {self.run_dir})"
             ) from None
 
+    def integrity_check(self) -> list[str]:
+        """SQLite's full check (``["ok"]`` when intact); slower than the one at open."""
+        return [r[0] for r in self._read("PRAGMA integrity_check")]
+
     def record_keys(self, step: int) -> list[tuple]:
         """``(name, dtype, shape as JSON, nbytes, checksum)`` of the tensors of ``step``, as stored."""
         return self._read("SELECT name, dtype, shape, nbytes, checksum FROM tensors WHERE step=?", (step,))

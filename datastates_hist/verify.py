@@ -81,7 +81,7 @@ def verify_run(run_dir: str, steps: Iterable[int] | None = None,
 def _check_index(store: Store) -> None:
     """The full SQLite check (opening runs the quicker one): it also compares
     the index's b-trees with its tables."""
-    found = [r[0] for r in store.index.conn.execute("PRAGMA integrity_check")]
+    found = store.index.integrity_check()
     if found != ["ok"]:
         raise CorruptionError(
             f"the index {store.index.path} is damaged ({'; '.join(found[:3])}); rebuild it from the "
