@@ -55,6 +55,16 @@ def make_run(run_dir, backend):
     return model
 
 
+def assert_open_refused(run_dir, step, message):
+    store = Store(run_dir)
+    try:
+        with pytest.raises(dh.CorruptionError) as caught:
+            store.open_step(step)
+        assert str(caught.value) == message
+    finally:
+        store.close()
+
+
 def unit(step, backend):
     return f"{step:012d}{SUFFIX[backend]}"
 
@@ -141,13 +151,7 @@ def test_a_location_outside_steps_is_reported_by_verify_and_refused_on_read(tmp_
     assert out.returncode == 1, out.stderr
     assert json.loads(out.stdout)["problems"] == [
         {"step": 1, "tensor": None, "message": f"its data cannot be opened: {message}"}]
-    store = Store(run_dir)
-    try:
-        with pytest.raises(dh.CorruptionError) as caught:
-            store.open_step(1)
-        assert str(caught.value) == message
-    finally:
-        store.close()
+    assert_open_refused(run_dir, 1, message)
     with pytest.raises(dh.CorruptionError, match="names '../../x/"):
         dh.open(run_dir).read("model/weight", 1)
 
@@ -178,13 +182,7 @@ def test_a_symlinked_unit_is_refused_on_read_and_on_prune_and_its_target_kept(tm
     before = index_rows(run_dir)
     message = symlink_message(run_dir, 1, name)
 
-    store = Store(run_dir)
-    try:
-        with pytest.raises(dh.CorruptionError) as caught:
-            store.open_step(1)
-        assert str(caught.value) == message
-    finally:
-        store.close()
+    assert_open_refused(run_dir, 1, message)
     out = cli("prune", run_dir, "--keep-last", "2")
     assert out.returncode == 4 and out.stderr.strip() == f"datastates-hist: {message}", out
     assert index_rows(run_dir) == before

@@ -218,6 +218,8 @@ def _retention(journal: str, victims: list[int], remove) -> None:
 class Torture:
     """Runs the children, kills them, and checks the run after every kill."""
 
+    targets = TARGETS  # where the kills aim, in turn
+
     def __init__(self, run_dir: str, backend: str, seed: int = 0):
         self.run_dir, self.backend = run_dir, backend
         self.rng = random.Random(seed)
@@ -353,7 +355,7 @@ class Torture:
 
     def run(self, kills: int) -> bool:
         for k in range(kills):
-            self.kill_once(TARGETS[k % len(TARGETS)])
+            self.kill_once(self.targets[k % len(self.targets)])
         self.finish()
         return not self.failures
 
@@ -381,7 +383,7 @@ class OperationTorture(Torture):
 
     def __init__(self, run_dir: str, backend: str, op: str, seed: int = 0):
         super().__init__(run_dir, backend, seed)
-        self.op = op
+        self.op, self.targets = op, OP_TARGETS[op]
         self.refusals: list[str] = []  # the next writer refused the run (then repaired)
         self.finished_first = 0  # the operation ended before the kill
         self.repaired_steps = 0
@@ -467,18 +469,11 @@ class OperationTorture(Torture):
         if report.set_aside or report.lost:
             self.failures.append(f"the second repair set aside {report.set_aside}, lost {report.lost}")
 
-    def run(self, kills: int) -> bool:
-        targets = OP_TARGETS[self.op]
-        for k in range(kills):
-            self.kill_once(targets[k % len(targets)])
-        self.finish()
-        return not self.failures
-
     def summary(self) -> str:
         lines = [
             f"torture: kills during {self.op}, backend {self.backend}, run {self.run_dir}",
             f"kills: {sum(self.kills.values())} (SIGKILL), targeted at: "
-            + ", ".join(f"{t} {self.kills[t]}" for t in OP_TARGETS[self.op])
+            + ", ".join(f"{t} {self.kills[t]}" for t in self.targets)
             + f"; the {self.op} had finished before the kill: {self.finished_first}",
             "  phases the child was in at the kill: "
             + ", ".join(f"{p} {n}" for p, n in sorted(self.landed.items(), key=lambda x: -x[1])),
