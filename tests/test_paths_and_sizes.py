@@ -472,7 +472,7 @@ def test_hdf5_data_stored_outside_the_file_is_refused(tmp_path):
         del f["model/weight"]
         f["model/weight"] = h5py.SoftLink("/model/bias")
     with dh.open(run_dir) as h, pytest.raises(dh.CorruptionError, match=(
-            f"the data of step 2 in {run_dir} is damaged: {path} holds a SoftLink at 'model/weight'; "
+            f"tensor .model/weight. of step 2 in {run_dir} cannot be read: {path} holds a soft link at .model/weight.; "
             "step files hold only their own datasets")):
         h.read("model/weight", 2)
 
