@@ -366,15 +366,19 @@ class Torture:
             + ", ".join(f"{t} {self.kills[t]}" for t in TARGETS),
             "  phases the child was in at the kill: "
             + ", ".join(f"{p} {n}" for p, n in sorted(self.landed.items(), key=lambda x: -x[1])),
+        ]
+        return "\n".join(lines + self._outcome_lines())
+
+    def _outcome_lines(self) -> list[str]:
+        """The lines every torture's summary ends with: processes, checks, losses, failures."""
+        return [
             f"processes: {self.children}; restores of the newest step: {self.restores}; "
             f"tensor checksums verified: {self.verified}",
             f"committed steps at the end: {len(self.final_steps)} "
             f"(newest {self.final_steps[-1] if self.final_steps else None})",
             f"committed steps lost: {self.lost}",
             f"failures: {len(self.failures)}",
-        ]
-        lines += [f"  FAIL {f}" for f in self.failures[:20]]
-        return "\n".join(lines)
+        ] + [f"  FAIL {f}" for f in self.failures[:20]]
 
 
 class OperationTorture(Torture):
@@ -483,16 +487,7 @@ class OperationTorture(Torture):
         if self.op == "repair":
             lines.append(f"second repairs: {sum(self.kills.values())}, steps they committed (every tensor "
                          f"verified): {self.repaired_steps}")
-        lines += [
-            f"processes: {self.children}; restores of the newest step: {self.restores}; "
-            f"tensor checksums verified: {self.verified}",
-            f"committed steps at the end: {len(self.final_steps)} "
-            f"(newest {self.final_steps[-1] if self.final_steps else None})",
-            f"committed steps lost: {self.lost}",
-            f"failures: {len(self.failures)}",
-        ]
-        lines += [f"  FAIL {f}" for f in self.failures[:20]]
-        return "\n".join(lines)
+        return "\n".join(lines + self._outcome_lines())
 
 
 def main(argv=None) -> int:
