@@ -14,6 +14,7 @@ from .errors import (
     CorruptionError,
     FormatError,
     RestoreMismatchError,
+    ShapeChangeError,
     StepNotFoundError,
     StepOrderError,
     StoreLockedError,
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "Checkpointer", "Context", "CorruptionError", "FormatError",
-    "History", "RestoreMismatchError", "Restored", "open", "StateProvider", "StepNotFoundError", "StepOrderError",
+    "History", "RestoreMismatchError", "Restored", "open", "ShapeChangeError", "StateProvider", "StepNotFoundError", "StepOrderError",
     "StoreLockedError", "StoreNotFoundError", "StoredState", "TensorItem", "ValueItem",
     "register_provider",
 ]

@@ -45,7 +45,7 @@ class HostCache:
 
     def _place(self, nbytes: int) -> int | None:
         """The offset where ``nbytes`` fit now, or None."""
-        size = _aligned(nbytes)
+        size = aligned(nbytes)
         if not self._live:
             self._head = 0
             return 0 if size <= self.capacity else None
@@ -60,7 +60,7 @@ class HostCache:
     def alloc(self, nbytes: int, on_wait: Callable[[], None] | None = None,
               cancelled: Callable[[], bool] | None = None) -> Region:
         """A region of ``nbytes``; waits for space, calling ``on_wait`` once first."""
-        if _aligned(nbytes) > self.capacity:
+        if aligned(nbytes) > self.capacity:
             raise ValueError(f"{nbytes} bytes do not fit a host cache of {self.capacity}")
         with self._cond:
             offset = self._place(nbytes)
@@ -73,7 +73,7 @@ class HostCache:
                         raise RuntimeError("snapshot cancelled")
                     self._cond.wait(timeout=0.5)
                     offset = self._place(nbytes)
-            region = Region(offset, nbytes, offset + _aligned(nbytes))
+            region = Region(offset, nbytes, offset + aligned(nbytes))
             self._live.append(region)
             self._head = region.end
             return region
@@ -94,10 +94,6 @@ class HostCache:
                 self._live.popleft()
             self._cond.notify_all()
 
-    def in_use(self) -> int:
-        with self._cond:
-            return sum(r.nbytes for r in self._live if not r.freed)
 
-
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
     return max(ALIGN, (n + ALIGN - 1) // ALIGN * ALIGN)

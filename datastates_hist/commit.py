@@ -25,12 +25,52 @@ import os
 import stat
 import time
 
-from .backends.base import StepWriter, remove_tree
+from .backends import StepWriter
 from .digest import checksum_bytes
+from .durable import remove_tree
 from .errors import CorruptionError
-from .index import FORMAT_VERSION, Index, StepRow
-from .items import TensorRecord
-from .layout import PARTIAL, check_location
+from .index import FORMAT_VERSION, Index, StepRow, check_location
+from .items import TensorRecord, under
+from .layout import PARTIAL, steps_dir
+from .sharding import merge_records
+
+
+class Committer:
+    """Where the flusher's steps go: it opens each step's writer in the run's backend and
+    commits the step, alone or together with every rank of ``group``.
+
+    Its methods run on the flusher thread, which owns its SQLite connection (a
+    connection belongs to one thread). ``own_prefix``: the values under it are this
+    rank's own (its RNG states); every other value is the same on every rank.
+    """
+
+    def __init__(self, run_dir: str, backend, backend_name: str, group, own_prefix: str):
+        self.run_dir, self.backend, self.backend_name = run_dir, backend, backend_name
+        self.group, self.own_prefix = group, own_prefix
+        self.index: Index | None = None
+
+    def open_writer(self, step: int) -> StepWriter:
+        if self.group.size == 1:
+            return self.backend.begin_step(steps_dir(self.run_dir), step)
+        return self.backend.begin_step(steps_dir(self.run_dir), step, group=self.group)
+
+    def commit(self, ckpt, writer: StepWriter | None, records: list[TensorRecord]) -> None:
+        """Commit ``ckpt`` (a failed one is not committed; with several ranks every rank
+        still takes part, to agree on the outcome). Raises when the commit failed."""
+        if self.index is None and self.group.root:
+            self.index = Index(self.run_dir, create=True)
+        if self.group.size == 1:
+            if ckpt.error is None:
+                commit_step(self.index, self.backend_name, ckpt.step, writer, records, ckpt.values)
+            return
+        own = {key: {k: v for k, v in ckpt.values.get(key, {}).items() if under(k, self.own_prefix)}
+               for key in ("items", "objects")}
+        commit_collective(self.group, self.index, self.backend_name, ckpt, writer, records, own)
+
+    def close(self) -> None:
+        if self.index is not None:
+            self.index.close()
+            self.index = None
 
 
 def manifest_bytes(step: int, records: list[TensorRecord], values: dict, **more) -> bytes:
@@ -79,9 +119,6 @@ def commit_collective(group, index: Index | None, backend: str, ckpt, writer, re
     rank 0's values stand for every other value. ``index`` is rank 0's.
     Raises on every rank when any rank failed.
     """
-    from .sharding import merge_records
-
-    parts = not hasattr(writer, "offsets")  # one file per rank (see backends.ranks)
     mine = {"step": ckpt.step, "error": _describe(ckpt.error),
             "records": [r.to_json() for r in records] if ckpt.error is None else [], "values": own_values}
     gathered = group.gather(mine)
@@ -89,6 +126,7 @@ def commit_collective(group, index: Index | None, backend: str, ckpt, writer, re
     if group.root:
         verdict["error"] = _first_error(gathered, ckpt.step)
         if verdict["error"] is None:
+            parts = not writer.shared  # one file per rank (backends.ranks); rank 0's writer is open
             try:
                 merged = merge_records([g["records"] for g in gathered], parts)
                 values = {"items": dict(ckpt.values["items"]), "objects": dict(ckpt.values["objects"])}
@@ -137,7 +175,7 @@ def _abort_all(group, writer) -> None:
         except BaseException:
             pass
     group.barrier()
-    if group.root and writer is not None and hasattr(writer, "remove"):
+    if group.root and writer is not None:
         writer.remove()
 
 
@@ -160,11 +198,7 @@ def remove_uncommitted(steps_dir: str, index: Index) -> list[str]:
     unnamed = [e for e in sorted(os.listdir(steps_dir)) if e not in committed]
     _refuse_units_older_than_index(index, steps_dir, unnamed)
     for entry in unnamed:
-        path = os.path.join(steps_dir, entry)
-        if os.path.islink(path):
-            os.unlink(path)
-        else:
-            remove_tree(path)
+        remove_tree(os.path.join(steps_dir, entry))  # a link itself, never its target
     return unnamed
 
 

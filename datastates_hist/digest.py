@@ -48,6 +48,16 @@ def checksum_bytes(data) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def merge_moments(a: tuple[int, float, float], b: tuple[int, float, float]) -> tuple[int, float, float]:
+    """``(count, mean, m2)`` of two parts together, from each part's count, mean and
+    sum of squared deviations from its mean ``m2`` (Chan's parallel formula)."""
+    n_a, mean_a, m2_a = a
+    n_b, mean_b, m2_b = b
+    total = n_a + n_b
+    delta = mean_b - mean_a
+    return total, mean_a + delta * n_b / total, m2_a + (m2_b + delta * delta * n_a * n_b / total)
+
+
 class Digest:
     """Running checksum and statistics of one tensor."""
 
@@ -119,14 +129,9 @@ class Digest:
 
     def _merge(self, n: int, total_sum: float, m2_c: float, lo: float, hi: float, bad: int) -> None:
         """Add a chunk's figures: its size, sum, sum of squared deviations from its
-        mean, min, max and count of non-finite values (Chan's parallel formula)."""
-        mean_c = total_sum / n
+        mean, min, max and count of non-finite values."""
         self.nonfinite += bad
-        total = self.n + n
-        delta = mean_c - self.mean
-        self.mean += delta * n / total
-        self.m2 += m2_c + delta * delta * self.n * n / total
-        self.n = total
+        self.n, self.mean, self.m2 = merge_moments((self.n, self.mean, self.m2), (n, total_sum / n, m2_c))
         self.min = min(self.min, lo) if not math.isnan(lo) else math.nan
         self.max = max(self.max, hi) if not math.isnan(hi) else math.nan
 

@@ -60,6 +60,11 @@ class RestoreMismatchError(ValueError):
         super().__init__("\n".join(lines))
 
 
+class ShapeChangeError(ValueError):
+    """A tensor's shape (or dtype) differs between the steps asked for (one xarray
+    variable over steps needs one shape)."""
+
+
 def _few(names, limit: int = 10) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

@@ -5,7 +5,7 @@ statistics (unless the snapshot did, for host tensors) and puts it to the step
 writer (by pointer, no copy). The cache
 space is given back after the writer has written it out: when the snapshot
 asks for space, or when the step is finished. At the end of a checkpoint,
-:func:`commit.commit_step` makes the data durable and then records the step
+the committer (:mod:`commit`) makes the data durable and then records the step
 in the index. Any failure marks the checkpoint failed; it is raised to the
 training loop at its next ``write()``, ``wait()`` or ``close()``.
 """
@@ -18,12 +18,11 @@ import threading
 import time
 from typing import Callable
 
-
 from .cache import HostCache
 from .digest import Digest
 from .dtypes import dtype_name, storage_dtype
 from .items import TensorRecord
-from .snapshot import PendingCheckpoint, Piece
+from .snapshot import Begin, End, Message, NeedSpace, PendingCheckpoint, Piece, Pieces, Stop
 
 
 class _Step:
@@ -37,18 +36,16 @@ class _Step:
 
 
 class Flusher:
-    """The flusher thread; ``open_writer(step)`` and ``commit(ckpt, writer, records)``
-    are given by the Checkpointer, so that this module knows no backend or index.
-    ``commit`` is called for failed checkpoints too (it must not commit them):
-    with several ranks, they agree on every step's outcome."""
+    """The flusher thread. ``committer`` (:class:`commit.Committer`) opens each step's
+    writer and commits it, so that this module knows no backend or index. It is asked to
+    commit failed checkpoints too (it does not commit them): with several ranks, the
+    ranks agree on every step's outcome."""
 
-    def __init__(self, cache: HostCache, open_writer: Callable, commit: Callable,
-                 refuse_nonfinite: bool = False):
+    def __init__(self, cache: HostCache, committer, refuse_nonfinite: bool = False):
         self.cache = cache
         self.refuse_nonfinite = refuse_nonfinite
-        self.open_writer = open_writer
-        self.commit = commit
-        self.inbox: queue.Queue = queue.Queue()
+        self.committer = committer
+        self.inbox: queue.Queue[Message] = queue.Queue()
         self.unwritten: list = []  # regions put to the writer, not yet written out
         self.unwritten_bytes = 0
         self.flush_seconds = 0.0
@@ -59,7 +56,7 @@ class Flusher:
         current: _Step | None = None
         while True:
             msg = self.inbox.get()
-            if msg[0] == "stop":
+            if isinstance(msg, Stop):
                 return
             t0 = time.perf_counter()
             try:
@@ -69,26 +66,26 @@ class Flusher:
                     current.ckpt.fail(exc)
             self.flush_seconds += time.perf_counter() - t0
 
-    def _handle(self, msg: tuple, current: "_Step | None") -> "_Step | None":
-        kind = msg[0]
-        if kind == "begin":
-            current = _Step(msg[1])
-            self._guard(current, lambda: setattr(current, "writer", self.open_writer(current.ckpt.step)))
-        elif kind in ("piece", "pieces"):
-            for piece in ([msg[1]] if kind == "piece" else msg[1]):
-                if current.ckpt.error is None:
-                    self._guard(current, lambda: self._put(current, piece))
-                if current.ckpt.error is not None:
-                    self._release(current)
-                    if piece.region is not None and piece.owner:
-                        self.cache.free(piece.region)
-        elif kind == "space":
-            if current is not None and current.writer is not None and current.ckpt.error is None:
-                self._guard(current, current.writer.write_out)
-            self._release(current)
-        elif kind == "end":
-            self._finish(current)
-            current = None
+    def _handle(self, msg: Message, current: "_Step | None") -> "_Step | None":
+        match msg:
+            case Begin(ckpt):
+                current = _Step(ckpt)
+                self._guard(current, lambda: setattr(current, "writer", self.committer.open_writer(ckpt.step)))
+            case Pieces(pieces):
+                for piece in pieces:
+                    if current.ckpt.error is None:
+                        self._guard(current, lambda: self._put(current, piece))
+                    if current.ckpt.error is not None:
+                        self._release()
+                        if piece.region is not None and piece.owner:
+                            self.cache.free(piece.region)
+            case NeedSpace():
+                if current is not None and current.writer is not None and current.ckpt.error is None:
+                    self._guard(current, current.writer.write_out)
+                self._release()
+            case End():
+                self._finish(current)
+                current = None
         return current
 
     def _guard(self, step: _Step, fn: Callable) -> None:
@@ -97,7 +94,7 @@ class Flusher:
         except BaseException as exc:
             step.ckpt.fail(exc)
 
-    def _release(self, step: _Step | None) -> None:
+    def _release(self) -> None:
         """Give back the regions already written out (or abandoned on failure)."""
         for region in self.unwritten:
             self.cache.free(region)
@@ -129,7 +126,7 @@ class Flusher:
                 self.unwritten_bytes += piece.region.nbytes
                 if self.unwritten_bytes * 4 >= self.cache.capacity and step.writer.write_out_early:
                     step.writer.write_out()  # the snapshot fills the rest of the cache meanwhile
-                    self._release(step)
+                    self._release()
         if piece.last:
             stats = digest.stats()
             if self.refuse_nonfinite and stats["nonfinite"]:
@@ -146,7 +143,7 @@ class Flusher:
     def _finish(self, step: _Step) -> None:
         ckpt = step.ckpt
         try:
-            self.commit(ckpt, step.writer, step.records)  # also on failure: ranks decide together
+            self.committer.commit(ckpt, step.writer, step.records)  # also on failure: ranks decide together
         except BaseException as exc:
             ckpt.fail(exc)
         finally:
@@ -155,5 +152,5 @@ class Flusher:
                     step.writer.abort()
                 except BaseException:
                     pass
-            self._release(step)
+            self._release()
             ckpt.done.set()

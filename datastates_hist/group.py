@@ -38,9 +38,6 @@ class Group:
     def barrier(self) -> None:
         pass
 
-    def describe(self) -> str:
-        return "a single process"
-
 
 class MPIGroup(Group):
     """The ranks of an mpi4py communicator (duplicated: the job's own traffic stays apart)."""
@@ -81,9 +78,6 @@ class MPIGroup(Group):
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
 
-    def describe(self):
-        return f"MPI rank {self.rank} of {self.size}"
-
 
 class TorchGroup(Group):
     """The ranks of a ``torch.distributed`` job, through a new gloo group of its own."""
@@ -113,9 +107,6 @@ class TorchGroup(Group):
 
     def _global(self, rank: int) -> int:
         return self._dist.get_global_rank(self.group, rank)
-
-    def describe(self):
-        return f"torch.distributed rank {self.rank} of {self.size}"
 
 
 def as_group(comm: Any) -> Group:

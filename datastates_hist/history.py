@@ -8,7 +8,6 @@ steps (of one run or of two runs) tensor by tensor.
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections import OrderedDict
 from typing import Any
@@ -18,9 +17,8 @@ import torch
 
 from .dtypes import storage_torch_dtype
 from .index import STAT_KEYS
+from .items import MODEL_PREFIX, matches
 from .store import StepData, Store
-
-MODEL_PREFIX = "model/"
 
 
 class History:
@@ -112,7 +110,7 @@ class History:
 
     def to_xarray(self, name: str, steps: Any = None):
         """A lazily loaded ``xarray.DataArray`` of one tensor over steps (dims ``step, dim_0, ...``)."""
-        from .xarray_backend import tensor_dataarray
+        from .xarray_views import tensor_dataarray
 
         return tensor_dataarray(self, self.resolve(name), steps)
 
@@ -166,11 +164,10 @@ def selection(index: Any, shape: tuple[int, ...]) -> tuple[tuple, tuple, tuple]:
     return tuple(start), tuple(count), tuple(post)
 
 
-def _match(name: str, patterns: list[str] | None) -> bool:
+def _compared(name: str, patterns: list[str] | None) -> bool:
     if patterns is None:  # RNG states change every step and say nothing about the model
         return not name.startswith("rng/")
-    short = name[len(MODEL_PREFIX):] if name.startswith(MODEL_PREFIX) else name
-    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(short, p) for p in patterns)
+    return matches(name, patterns)
 
 
 def diff_steps(ha: History, a: int, hb: History, b: int, names=None):
@@ -182,7 +179,7 @@ def diff_steps(ha: History, a: int, hb: History, b: int, names=None):
     ra = {r.name: r for r in ha.store.records(a)}
     rb = {r.name: r for r in hb.store.records(b)}
     rows = []
-    for name in [n for n in ra if n in rb and _match(n, patterns)]:
+    for name in [n for n in ra if n in rb and _compared(n, patterns)]:
         if ra[name].shape != rb[name].shape:
             rows.append({"name": name, "shape": ra[name].shape, "note": f"shape {list(ra[name].shape)} -> {list(rb[name].shape)}"})
             continue

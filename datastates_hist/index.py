@@ -4,6 +4,10 @@ A step exists only once its row is committed here, after its data is durable:
 one SQLite transaction (WAL journal, ``synchronous=FULL``) is the atomic act
 that makes a step visible. Readers in other processes see only committed
 steps. Per-tensor statistics let trajectories be read without tensor data.
+
+An index row names its step's unit (``location``). An index may be damaged or
+crafted, so a location is used only once :func:`unit_path` has checked it
+against the unit names the row's backend (found in the registry) writes.
 """
 
 from __future__ import annotations
@@ -14,12 +18,12 @@ import sqlite3
 import time
 from dataclasses import dataclass
 
+from .backends import backend_names, get_backend
 from .errors import CorruptionError, FormatError, StoreNotFoundError
 from .items import TensorRecord
-from .layout import finished_units, steps_dir
+from .layout import INDEX_FILE, PARTIAL, RANKS_SUFFIX, entry_path, finished_units, index_path, step_stem, steps_dir
 
 FORMAT_VERSION = 1
-INDEX_FILE = "index.sqlite"
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -66,10 +70,6 @@ class StepRow:
     ntensors: int
     tier: str
     manifest_checksum: str
-
-
-def index_path(run_dir: str) -> str:
-    return os.path.join(run_dir, INDEX_FILE)
 
 
 def _connect(path: str, readonly: bool) -> sqlite3.Connection:
@@ -185,8 +185,6 @@ class Index:
     def backend(self, asked: str | None = None) -> str:
         """The backend of the run: ``asked`` if given, else the one the index names
         (``adios2`` for a new run); an unknown stored name is a :class:`FormatError`."""
-        from .backends import backend_names
-
         name = asked or self.meta("backend") or "adios2"
         if not asked and name not in backend_names():
             raise FormatError(
@@ -279,3 +277,53 @@ class Index:
     def close(self) -> None:
         if self.conn is not None:
             self.conn.close()
+
+
+# --- the unit an index row names ------------------------------------------------------------
+
+def unit_suffixes(step: int, backend: str) -> tuple[str, ...]:
+    """The suffixes the unit of ``step`` written by ``backend`` may have: the
+    backend's (one file or folder) or ``.ranks`` (a folder of one file per rank);
+    none for a registered backend that declares no suffix of its own."""
+    try:
+        suffix = get_backend(backend).suffix
+    except ValueError as exc:  # an unknown backend name: the row is not one a writer made
+        raise CorruptionError(f"step {step} names an unknown backend: {exc}") from None
+    return (suffix, RANKS_SUFFIX) if suffix else ()
+
+
+def unit_path(run_dir: str, row: StepRow) -> str:
+    """The path of the unit of the committed step ``row`` (an index row).
+
+    Refused with :class:`CorruptionError` unless the location is the step's own
+    unit name (:func:`check_location`) and the entry in ``steps/`` is not a
+    symbolic link: both together keep the path inside ``steps/``. A unit that
+    is missing is not refused here: reading it reports it missing, pruning has
+    nothing to delete.
+    """
+    return entry_path(steps_dir(run_dir), check_location(run_dir, row), f"the data of step {row.step} in {run_dir}")
+
+
+def check_location(run_dir: str, row: StepRow) -> str:
+    """The location of index row ``row``, once it is the step's own unit name:
+    the step's zero-padded number and one of its suffixes (any plain suffix for
+    a backend that declares none). So one plain name (no ``/``, no ``..``, not
+    absolute), and not the unit of another step. Raises :class:`CorruptionError`
+    otherwise."""
+    stem, suffixes = step_stem(row.step), unit_suffixes(row.step, row.backend)
+    location = row.location
+    rest = location[len(stem):] if isinstance(location, str) and location.startswith(stem) else None
+    if rest is None or not (rest in suffixes if suffixes else _plain_suffix(rest)):
+        must = (" or ".join(repr(stem + s) for s in suffixes) if suffixes
+                else f"'{stem}' and the suffix of backend {row.backend!r}")
+        raise CorruptionError(
+            f"the index row of step {row.step} in {run_dir} names {location!r} as the step's data, "
+            f"which must be {must} in {steps_dir(run_dir)}: the index is damaged "
+            f"(rebuild it with: datastates-hist repair {run_dir})"
+        )
+    return location
+
+
+def _plain_suffix(rest: str) -> bool:
+    return rest == "" or (rest.startswith(".") and "/" not in rest and "\0" not in rest
+                          and not rest.endswith(PARTIAL))

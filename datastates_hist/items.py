@@ -6,6 +6,7 @@ tensors; the backends store them; the index records them.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,10 +18,24 @@ from .dtypes import storage_dtype, torch_dtype
 
 MAX_DIM = 2 ** 63 - 1  # numpy's dimensions are signed 64-bit
 
+# The model's tensors are stored under this prefix; readers let it be left out.
+MODEL_PREFIX = "model/"
+
 
 def under(name: str, prefix: str) -> bool:
     """Whether item ``name`` is ``prefix`` itself or lies below it (``prefix/...``)."""
     return name == prefix or name.startswith(prefix + "/")
+
+
+def short_name(name: str) -> str:
+    """A stored name without the :data:`MODEL_PREFIX` (as in ``model.state_dict()``)."""
+    return name.removeprefix(MODEL_PREFIX)
+
+
+def matches(name: str, patterns: list[str]) -> bool:
+    """Whether a glob of ``patterns`` matches the stored name or its :func:`short_name`."""
+    short = short_name(name)
+    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(short, p) for p in patterns)
 
 
 @dataclass

@@ -1,14 +1,17 @@
-"""A run's layout on disk, and the one check of every step path taken from stored data.
+"""A run's layout on disk: the names of its files and folders, and its writer lock.
 
 Layout of a run directory::
 
     RUN/index.sqlite            the index (committed steps, tensor records, statistics)
     RUN/steps/<step><suffix>    one unit of step data per step (file or folder, by backend;
-                                ``.ranks``: a folder of one file per rank)
-    RUN/writer.lock             held by the one process that may write
+                                ``.ranks``: a folder of one file per rank, ``rank<r><suffix>``)
+    RUN/steps/<unit>.partial    a unit being written; never committed
+    RUN/writer.lock             held by the one process that may write (or repair)
+    RUN/damaged/                units that repair could not commit, kept
+    RUN/index.sqlite.rebuilding/  the new index that repair builds aside
 
-An index row names its step's unit (``location``). An index or a manifest may be
-damaged or crafted, so a location is used only once :func:`unit_path` has checked it.
+A name taken from stored data (an index row's location, a file named in a
+unit) is used only through :func:`entry_path`, which keeps it inside its folder.
 """
 
 from __future__ import annotations
@@ -19,21 +22,36 @@ import os
 import socket
 import stat
 
-from .backends import get_backend
-from .backends.base import entry_path, step_stem
-from .backends.ranks import RANKS_SUFFIX
 from .errors import CorruptionError, StoreLockedError
 
 STEPS_DIR = "steps"
-PARTIAL = ".partial"  # a unit being written; never committed
+INDEX_FILE = "index.sqlite"
 WRITER_LOCK = "writer.lock"
+DAMAGED_DIR = "damaged"
+REBUILDING_DIR = INDEX_FILE + ".rebuilding"  # repair builds the new index here, then renames it into place
+PARTIAL = ".partial"  # a unit being written; never committed
+RANKS_SUFFIX = ".ranks"  # a step's folder of one file per rank
 # The largest step: the index stores steps as SQLite INTEGER (signed 64-bit);
-# the name of a step's unit (backends.base.step_stem) holds any of them.
+# the name of a step's unit (step_stem) holds any of them.
 MAX_STEP = 2**63 - 1
 
 
 def steps_dir(run_dir: str) -> str:
     return os.path.join(run_dir, STEPS_DIR)
+
+
+def index_path(run_dir: str) -> str:
+    return os.path.join(run_dir, INDEX_FILE)
+
+
+def step_stem(step: int) -> str:
+    """Zero-padded so that listings sort by step."""
+    return f"{step:012d}"
+
+
+def rank_file(rank: int, suffix: str) -> str:
+    """The name of rank ``rank``'s file inside a ``.ranks`` unit."""
+    return f"rank{rank:05d}{suffix}"
 
 
 def finished_units(run_dir: str) -> list[str]:
@@ -45,52 +63,26 @@ def finished_units(run_dir: str) -> list[str]:
     return sorted(e for e in entries if not e.endswith(PARTIAL))
 
 
-def unit_suffixes(step: int, backend: str) -> tuple[str, ...]:
-    """The suffixes the unit of ``step`` written by ``backend`` may have: the
-    backend's (one file or folder) or ``.ranks`` (a folder of one file per rank);
-    none for a registered backend that declares no suffix of its own."""
-    try:
-        suffix = get_backend(backend).suffix
-    except ValueError as exc:  # an unknown backend name: the row is not one a writer made
-        raise CorruptionError(f"step {step} names an unknown backend: {exc}") from None
-    return (suffix, RANKS_SUFFIX) if suffix else ()
+def entry_path(folder: str, name: str, what: str) -> str:
+    """``folder/name`` for a ``name`` read from stored data (``what`` says whose, for
+    the error): one plain name of ``folder``, and not a symbolic link, so the path
+    stays inside ``folder``. A missing entry is not refused: its reader says it is missing.
 
-
-def unit_path(run_dir: str, row) -> str:
-    """The path of the unit of the committed step ``row`` (an index row).
-
-    Refused with :class:`CorruptionError` unless the location is the step's own
-    unit name (:func:`check_location`) and the entry in ``steps/`` is not a
-    symbolic link: both together keep the path inside ``steps/``. A unit that
-    is missing is not refused here: reading it reports it missing, pruning has
-    nothing to delete.
+    Raises:
+        CorruptionError: ``name`` is not a plain name, or the entry is a symbolic link.
     """
-    return entry_path(steps_dir(run_dir), check_location(run_dir, row), f"the data of step {row.step} in {run_dir}")
-
-
-def check_location(run_dir: str, row) -> str:
-    """The location of index row ``row``, once it is the step's own unit name:
-    the step's zero-padded number and one of its suffixes (any plain suffix for
-    a backend that declares none). So one plain name (no ``/``, no ``..``, not
-    absolute), and not the unit of another step. Raises :class:`CorruptionError`
-    otherwise."""
-    stem, suffixes = step_stem(row.step), unit_suffixes(row.step, row.backend)
-    location = row.location
-    rest = location[len(stem):] if isinstance(location, str) and location.startswith(stem) else None
-    if rest is None or not (rest in suffixes if suffixes else _plain_suffix(rest)):
-        must = (" or ".join(repr(stem + s) for s in suffixes) if suffixes
-                else f"'{stem}' and the suffix of backend {row.backend!r}")
-        raise CorruptionError(
-            f"the index row of step {row.step} in {run_dir} names {location!r} as the step's data, "
-            f"which must be {must} in {steps_dir(run_dir)}: the index is damaged "
-            f"(rebuild it with: datastates-hist repair {run_dir})"
-        )
-    return location
-
-
-def _plain_suffix(rest: str) -> bool:
-    return rest == "" or (rest.startswith(".") and "/" not in rest and "\0" not in rest
-                          and not rest.endswith(PARTIAL))
+    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name
+            or (os.altsep and os.altsep in name)):
+        raise CorruptionError(f"{what} is named {name!r}, which is not a name inside {folder}: refused")
+    path = os.path.join(folder, name)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
+    if stat.S_ISLNK(mode):
+        raise CorruptionError(f"{what} ({path}) is a symbolic link; stored data is read and deleted "
+                              f"only inside {folder}: refused")
+    return path
 
 
 def unit_bytes(path: str) -> int:

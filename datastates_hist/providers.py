@@ -8,6 +8,10 @@ Restore runs in two phases so that a strict restore changes nothing when any
 target does not match: :meth:`StateProvider.check` for every target first,
 then :meth:`StateProvider.load`. A non-strict restore loads no target whose
 problems concern it whole (:meth:`StateProvider.leaves_unloaded`).
+
+This module holds the protocol, the registry and the fallbacks for any object;
+the providers of torch's modules, optimizers and RNG states are registered by
+:mod:`.torch_providers`, which :mod:`.collect` and :mod:`.restore` import.
 """
 
 from __future__ import annotations
@@ -98,7 +102,21 @@ class StoredState:
 
 
 class StateProvider(ABC):
-    """Turns objects of some type into items, and loads items back into them."""
+    """Turns objects of some type into items, and loads items back into them.
+
+    Attributes:
+        kind: the name a step's manifest records for the objects this provider
+            saved (``values.objects``). A class's own name unless the class sets
+            it; the built-in providers set it, so that renaming a class keeps the
+            steps written before readable.
+    """
+
+    kind: str
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "kind" not in cls.__dict__:
+            cls.kind = cls.__name__
 
     @abstractmethod
     def items(self, obj: Any, ctx: Context) -> Iterable[Item]:
@@ -187,6 +205,8 @@ def flatten(obj: Any, where: str) -> tuple[Any, dict[str, torch.Tensor]]:
 class TreeProvider(StateProvider):
     """Plain values, tensors, arrays, and dicts/lists/tuples of them."""
 
+    kind = "TreeProvider"
+
     def items(self, obj, ctx):
         skeleton, tensors = flatten(obj, "value")
         yield ValueItem("", skeleton)
@@ -214,6 +234,8 @@ class TreeProvider(StateProvider):
 
 class StateDictProvider(StateProvider):
     """Anything with ``state_dict()`` / ``load_state_dict()`` (schedulers, samplers, GradScaler)."""
+
+    kind = "StateDictProvider"
 
     def items(self, obj, ctx):
         skeleton, tensors = flatten(obj.state_dict(), type(obj).__name__)
@@ -250,8 +272,6 @@ def register_provider(cls: type, provider: StateProvider) -> None:
 
 def provider_for(obj: Any) -> StateProvider:
     """The provider registered for ``obj``'s type (by MRO), else a generic one."""
-    from . import torch_providers  # noqa: F401 -- registers the built-in providers
-
     for cls in type(obj).__mro__:
         if cls in _REGISTRY:
             return _REGISTRY[cls]
@@ -262,3 +282,15 @@ def provider_for(obj: Any) -> StateProvider:
 
 _STATE_DICT = StateDictProvider()
 _TREE = TreeProvider()
+
+
+def rebuild(state: StoredState, kind: str) -> Any:
+    """An object saved by a provider of ``kind``, rebuilt without a live object to load
+    into (an extra not passed to restore): a state dict, a value, or else its items
+    by relative name (values decoded, tensors read)."""
+    tensors = {n: state.tensor(n) for n in state.records}
+    if kind == StateDictProvider.kind:
+        return values.decode(state.values[""]["state"], tensors)
+    if kind == TreeProvider.kind:
+        return values.decode(state.values[""], tensors)
+    return {**{n: values.decode(v) for n, v in state.values.items()}, **tensors}

@@ -43,17 +43,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .backends import backend_names, get_backend
-from .backends.base import fsync_dir, fsync_path
-from .backends.ranks import RANKS_SUFFIX, rank_file
 from .digest import checksum_bytes
+from .durable import fsync_dir, fsync_path, remove_tree, rename_into_place
 from .errors import CorruptionError, FormatError, StoreNotFoundError
-from .index import FORMAT_VERSION, INDEX_FILE, Index, StepRow, index_path
+from .index import FORMAT_VERSION, Index, StepRow
 from .items import TensorRecord
-from .layout import MAX_STEP, finished_units, steps_dir, take_writer_lock
+from .layout import (DAMAGED_DIR, MAX_STEP, RANKS_SUFFIX, REBUILDING_DIR, finished_units, index_path, rank_file,
+                     steps_dir, take_writer_lock)
 from .store import StepData
-
-DAMAGED_DIR = "damaged"
-REBUILDING_DIR = INDEX_FILE + ".rebuilding"  # the new index is built here, then renamed into place
 
 
 @dataclass
@@ -185,10 +182,7 @@ def _remove_rebuilding(run_dir: str) -> bool:
     folder = os.path.join(run_dir, REBUILDING_DIR)
     if not os.path.lexists(folder):
         return False
-    if os.path.isdir(folder) and not os.path.islink(folder):
-        shutil.rmtree(folder)
-    else:
-        os.remove(folder)
+    remove_tree(folder)
     return True
 
 
@@ -255,8 +249,7 @@ def _swap_in(run_dir: str, new_index: str) -> str | None:
                 os.remove(path + side)  # the WAL files of a lost index: it must not replay into the new one
             else:
                 os.rename(path + side, aside + side)
-    os.rename(new_index, path)
-    fsync_dir(run_dir)
+    rename_into_place(new_index, path)
     os.rmdir(os.path.dirname(new_index))
     return aside
 
@@ -334,7 +327,7 @@ def _read_unit(run_dir: str, unit: str, backends, old_times: dict[int, float],
 
 
 def _check_inside_steps(run_dir: str, unit: str) -> None:
-    """Refuse a symbolic link, as every reader does (:func:`backends.base.entry_path`):
+    """Refuse a symbolic link, as every reader does (:func:`.layout.entry_path`):
     the run's data lies inside it."""
     path = os.path.join(steps_dir(run_dir), unit)
     if os.path.islink(path):

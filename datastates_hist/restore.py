@@ -14,14 +14,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
-
-from . import values as values_codec
 from .errors import CorruptionError, RestoreMismatchError
 from .items import under
-from .providers import Context, Problems, StoredState, provider_for
+from .providers import Problems, StoredState, provider_for, rebuild
 from .store import Store
-from .torch_providers import RNG, parameter_names
+from .torch_providers import RNG, context_for, rng_prefix
 
 
 @dataclass
@@ -54,15 +51,16 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
         step = store.latest() if step is None else step
         with store.open_step(step) as data:
             items, objects = data.values["items"], data.values["objects"]
-            ctx = Context(param_names=parameter_names(model) if isinstance(model, nn.Module) else {})
+            ctx = context_for(model)
             targets: dict[str, Any] = {}
             if model is not None:
                 targets["model"] = model
             if optimizer is not None:
                 targets["optim"] = optimizer
-            rng_prefix = _rng_prefix(data.world_size, rank, world_size)
-            if rng and rng_prefix in objects:
-                targets[rng_prefix] = RNG()
+            # RNG states cannot be carried over to another number of ranks
+            own_rng = rng_prefix(rank, world_size) if data.world_size == world_size else None
+            if rng and own_rng in objects:
+                targets[own_rng] = RNG()
             for key, obj in extra.items():
                 targets[f"extra/{key}"] = obj
 
@@ -85,7 +83,7 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
                 raise RestoreMismatchError(step, problems.missing, problems.unexpected, problems.mismatched)
             loading = {prefix: targets[prefix] for prefix, found in checked.items()
                        if not provider_for(targets[prefix]).leaves_unloaded(found)}
-            restored = Restored(step=step, time=data.row.time, problems=problems, rng=rng_prefix in loading,
+            restored = Restored(step=step, time=data.row.time, problems=problems, rng=own_rng in loading,
                                 skipped=[prefix for prefix in checked if prefix not in loading])
             if world_size == 1:  # one process takes whole tensors: read them in one batch
                 into = {f"{prefix}/{rel}": t for prefix, obj in loading.items()
@@ -100,7 +98,7 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
                 key = prefix[6:]
                 if prefix.startswith("extra/") and key not in restored.extra:
                     with _named_as_damage(prefix, step, run_dir):
-                        restored.extra[key] = _rebuild(state_of(prefix), kind)
+                        restored.extra[key] = rebuild(state_of(prefix), kind)
             return restored
     finally:
         store.close()
@@ -115,25 +113,6 @@ def _named_as_damage(prefix: str, step: int, run_dir: str):
     except (TypeError, KeyError, AttributeError, IndexError) as exc:
         raise CorruptionError(f"the stored state of {prefix!r} in step {step} of {run_dir} is not what its "
                               f"provider wrote ({type(exc).__name__}: {exc}): the step's data is damaged") from exc
-
-
-def _rebuild(state: StoredState, kind: str) -> Any:
-    """An extra that was not passed to restore(): its value, tensors, or state dict."""
-    tensors = {n: state.tensor(n) for n in state.records}
-    if kind == "StateDictProvider":
-        return values_codec.decode(state.values[""]["state"], tensors)
-    if kind == "TreeProvider":
-        return values_codec.decode(state.values[""], tensors)
-    # written by a user-registered provider: its items, by relative name
-    return {**{n: values_codec.decode(v) for n, v in state.values.items()}, **tensors}
-
-
-def _rng_prefix(written_by: int, rank: int, world_size: int) -> str | None:
-    """Where this rank's RNG states are stored; None when the ranks changed (they
-    cannot be carried over to a different number of ranks)."""
-    if written_by != world_size:
-        return None
-    return "rng" if world_size == 1 else f"rng/rank{rank}"
 
 
 def _rel(name: str, prefix: str) -> str:

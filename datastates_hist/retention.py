@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from .backends import get_backend
-from .index import Index
-from .layout import steps_dir, unit_path
+from .index import Index, unit_path
+from .layout import steps_dir
 
 
 @dataclass(frozen=True)

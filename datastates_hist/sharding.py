@@ -152,7 +152,9 @@ def _check_tiling(name: str, shape, blocks: list[dict], ranks: list[int]) -> Non
 
 
 def combine_stats(parts: list[tuple[int, dict]]) -> dict:
-    """Statistics of a tensor from those of its blocks (Chan's formula for mean and variance)."""
+    """Statistics of a tensor from those of its blocks, all blocks at once (a weighted
+    mean, then each block's squared deviations about it): one block's infinite mean
+    makes the mean infinite, where merging blocks pairwise would make it NaN."""
     parts = [(n, s) for n, s in parts if n and "mean" in s]
     nonfinite = sum(int(s.get("nonfinite", 0)) for _, s in parts)
     if not parts:

@@ -5,7 +5,7 @@ snapshot thread copies tensors into the host cache (device-to-host on a side
 CUDA stream ordered after the training stream by an event; host-to-host for
 CPU tensors, with ``copy_``, which releases the GIL), piece by piece, and
 hands each piece to the flusher. Volatile tensors (buffers changed by forward)
-are copied first; the Checkpointer's hooks wait on :attr:`volatile_done` before
+are copied first; the pipeline's hooks wait on :attr:`volatile_done` before
 the next forward and on :attr:`snapshot_done` before the next optimizer step.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .cache import HostCache, Region, _aligned
+from .cache import HostCache, Region, aligned
 from .digest import Digest
 from .dtypes import storage_dtype, storage_torch_dtype
 from .items import TensorItem
@@ -66,6 +66,39 @@ class Piece:
     digest: Digest | None = None  # the tensor's running digest, this piece already added
 
 
+# What the snapshot thread tells the flusher thread, in order: per checkpoint one
+# Begin, Pieces as they are copied (with NeedSpace whenever the cache is full), one
+# End; Stop once, when the Checkpointer closes.
+
+@dataclass
+class Begin:
+    ckpt: PendingCheckpoint
+
+
+@dataclass
+class Pieces:
+    """Copied pieces: one of a large tensor, or many small tensors sharing one region."""
+    pieces: list[Piece]
+
+
+@dataclass
+class NeedSpace:
+    """The cache is full: the flusher should write out what it holds and give it back."""
+
+
+@dataclass
+class End:
+    ckpt: PendingCheckpoint
+
+
+@dataclass
+class Stop:
+    pass
+
+
+Message = Begin | Pieces | NeedSpace | End | Stop
+
+
 def pieces(shape: tuple[int, ...], itemsize: int, max_bytes: int) -> Iterator[tuple[tuple, tuple]]:
     """Split a C-order array into boxes ``(start, count)`` of at most ``max_bytes``,
     each contiguous in memory, in memory order."""
@@ -101,7 +134,7 @@ def _box(t: torch.Tensor, start: tuple, count: tuple) -> torch.Tensor:
 class Snapshotter:
     """The snapshot thread: copies pending checkpoints into the cache, in order."""
 
-    def __init__(self, cache: HostCache, out: "queue.Queue", piece_bytes: int):
+    def __init__(self, cache: HostCache, out: "queue.Queue[Message]", piece_bytes: int):
         self.cache = cache
         self.out = out
         self.piece_bytes = max(64, min(piece_bytes, cache.capacity // 4))
@@ -122,9 +155,9 @@ class Snapshotter:
         while True:
             ckpt = self.inbox.get()
             if ckpt is None:
-                self.out.put(("stop",))
+                self.out.put(Stop())
                 return
-            self.out.put(("begin", ckpt))
+            self.out.put(Begin(ckpt))
             try:
                 self._copy(ckpt)
             except BaseException as exc:  # reported by the flusher and at the next call
@@ -132,7 +165,7 @@ class Snapshotter:
             finally:
                 ckpt.volatile_done.set()
                 ckpt.snapshot_done.set()
-                self.out.put(("end", ckpt))
+                self.out.put(End(ckpt))
 
     def _copy(self, ckpt: PendingCheckpoint) -> None:
         device = next((t.tensor.device for t in ckpt.tensors if t.tensor.is_cuda), None)
@@ -153,10 +186,10 @@ class Snapshotter:
             t = item.tensor
             nbytes = t.numel() * storage_dtype(t.dtype).itemsize
             if 0 < nbytes <= min(SMALL_BYTES, self.piece_bytes // 4):
-                if small_bytes + _aligned(nbytes) > self.piece_bytes:
+                if small_bytes + aligned(nbytes) > self.piece_bytes:
                     small, small_bytes = self._copy_small(ckpt, small, cuda), 0
                 small.append((index, t))
-                small_bytes += _aligned(nbytes)
+                small_bytes += aligned(nbytes)
             else:
                 self._copy_tensor(ckpt, index, t, cuda)
         if ckpt.error is None:
@@ -179,9 +212,9 @@ class Snapshotter:
         sizes = [t.numel() * storage_dtype(t.dtype).itemsize for _, t in small]
         offsets = [0]
         for n in sizes[:-1]:
-            offsets.append(offsets[-1] + _aligned(n))
+            offsets.append(offsets[-1] + aligned(n))
         region = self.cache.alloc(
-            offsets[-1] + sizes[-1], on_wait=lambda: self.out.put(("space",)),
+            offsets[-1] + sizes[-1], on_wait=lambda: self.out.put(NeedSpace()),
             cancelled=lambda: ckpt.error is not None,
         )
         buf = self.cache.view(region) if cuda else None  # the destination of device copies
@@ -203,7 +236,7 @@ class Snapshotter:
         event = self._mark(cuda)
         for piece in batch:
             piece.copied = event
-        self.out.put(("pieces", batch))
+        self.out.put(Pieces(batch))
         return []
 
     def _copy_tensor(self, ckpt: PendingCheckpoint, index: int, t: torch.Tensor, cuda: bool) -> None:
@@ -214,7 +247,7 @@ class Snapshotter:
         for k, (start, count) in enumerate(boxes):
             nbytes = int(np.prod(count)) * itemsize if count else itemsize
             region = self.cache.alloc(
-                nbytes, on_wait=lambda: self.out.put(("space",)),
+                nbytes, on_wait=lambda: self.out.put(NeedSpace()),
                 cancelled=lambda: ckpt.error is not None,
             )
             box = _box(src, start, count) if count else src
@@ -226,7 +259,7 @@ class Snapshotter:
             else:  # numpy: no OpenMP team competing with the training thread's
                 box = box.numpy()
                 digest.copy_update(self.cache.array(region).view(box.dtype).reshape(box.shape), box, t.dtype)
-            self.out.put(("piece", Piece(ckpt, index, region, start, count, k == len(boxes) - 1, event,
-                                         digest=digest)))
+            self.out.put(Pieces([Piece(ckpt, index, region, start, count, k == len(boxes) - 1, event,
+                                       digest=digest)]))
         if not boxes:
-            self.out.put(("piece", Piece(ckpt, index, None, (), tuple(t.shape), True)))
+            self.out.put(Pieces([Piece(ckpt, index, None, (), tuple(t.shape), True)]))

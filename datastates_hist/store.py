@@ -1,7 +1,7 @@
 """Read access to a run: its index, and verified reads of step data.
 
 The run's layout is in :mod:`.layout`; every step's data is found through
-:func:`.layout.unit_path`, which refuses a location outside ``steps/``.
+:func:`.index.unit_path`, which refuses a location outside ``steps/``.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from .backends import get_backend
-from .backends.base import StepReader
-from .cache import _aligned
+from .backends import StepReader, get_backend
+from .boxes import overlap
+from .cache import aligned
 from .digest import checksum_bytes
 from .dtypes import dtype_name, storage_dtype, storage_torch_dtype, torch_dtype
 from .errors import CorruptionError, StepNotFoundError, StoreNotFoundError
-from .index import Index, StepRow
+from .index import Index, StepRow, unit_path
 from .items import TensorRecord
-from .layout import steps_dir, unit_bytes, unit_path
+from .layout import steps_dir, unit_bytes
 
 
 HUGE_PAGE = 2 << 20
@@ -39,7 +39,7 @@ def fresh_arrays(specs: list[tuple[tuple[int, ...], np.dtype]]):
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
-        total += _aligned(n)
+        total += aligned(n)
     if total < HUGE_PAGE:
         yield from (np.empty(shape, dtype) for shape, dtype in specs)
         return
@@ -237,20 +237,18 @@ class StepData:
         out = np.empty(count, dtype=sdtype)
         if not out.size:
             return out
-        end = tuple(s + c for s, c in zip(start, count))
         for b in self._blocks(rec):
-            bstart, bend = tuple(b["start"]), tuple(s + c for s, c in zip(b["start"], b["count"]))
-            lo = tuple(max(x, y) for x, y in zip(start, bstart))
-            hi = tuple(min(x, y) for x, y in zip(end, bend))
-            if any(h <= l for l, h in zip(lo, hi)):
+            bstart, bcount = tuple(b["start"]), tuple(b["count"])
+            common = overlap(start, count, bstart, bcount)
+            if common is None:
                 continue
+            lo, hi = common
             check = verify and b["checksum"]
-            if lo == bstart and hi == bend and (bstart, bend) == (start, end):
+            if (bstart, bcount) == (tuple(start), tuple(count)):
                 data = out  # the box is this block: read in place
             else:
-                data = np.empty(tuple(h - l for l, h in zip(bstart, bend)) if check else
-                                tuple(h - l for l, h in zip(lo, hi)), dtype=sdtype)
-            first = bstart if data.shape == tuple(b["count"]) else lo
+                data = np.empty(bcount if check else tuple(h - l for l, h in zip(lo, hi)), dtype=sdtype)
+            first = bstart if data.shape == bcount else lo
             # blocks in a rank's own file are stored alone; in a shared file, in place
             where = tuple(f - s for f, s in zip(first, bstart)) if b.get("part") is not None else first
             self.reader.read(rec.name, data, where, part=b.get("part"))

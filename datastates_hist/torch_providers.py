@@ -1,8 +1,12 @@
-"""Built-in State Providers for PyTorch modules, optimizers, and RNG state."""
+"""Built-in State Providers for PyTorch modules, optimizers, and RNG state.
+
+Importing this module registers them (:func:`.providers.register_provider`).
+"""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,8 +39,15 @@ def parameter_names(module: nn.Module) -> dict[int, str]:
     return names
 
 
+def context_for(model: Any) -> Context:
+    """The :class:`Context` of a write or restore of ``model`` (any object, or None)."""
+    return Context(param_names=parameter_names(model) if isinstance(model, nn.Module) else {})
+
+
 class ModuleProvider(StateProvider):
     """Parameters and persistent buffers by fully qualified name."""
+
+    kind = "ModuleProvider"
 
     def _tensors(self, module: nn.Module) -> dict[str, torch.Tensor]:
         return {
@@ -91,6 +102,8 @@ class OptimizerProvider(StateProvider):
     whose stored state does not fit (another shape) or that the step lacks keeps
     its own state whole, so that the optimizer can step on.
     """
+
+    kind = "OptimizerProvider"
 
     def _names(self, opt: torch.optim.Optimizer, ctx: Context) -> list[list[str]]:
         out, k = [], 0
@@ -237,8 +250,16 @@ class RNG:
     """The random number generators of this process: torch (CPU and CUDA), numpy, python."""
 
 
+def rng_prefix(rank: int, size: int) -> str:
+    """Where the RNG states of ``rank`` of ``size`` ranks are stored: they differ
+    between ranks, so each rank keeps its own."""
+    return "rng" if size == 1 else f"rng/rank{rank}"
+
+
 class RNGProvider(StateProvider):
     """Captures RNG states at write time (they are fresh copies, so safe to copy lazily)."""
+
+    kind = "RNGProvider"
 
     def items(self, obj, ctx):
         yield TensorItem("torch", torch.get_rng_state())

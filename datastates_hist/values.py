@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import math
 from typing import Any
 
@@ -167,12 +166,3 @@ def _decode(data: Any, tensors: dict | None) -> Any:
 
 def _hashable(key: Any) -> Any:
     return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
-
-
-def dumps(data: Any) -> bytes:
-    """Serialise encoded data; NaN is refused since :func:`encode` tags it."""
-    return json.dumps(data, allow_nan=False, separators=(",", ":")).encode()
-
-
-def loads(raw: bytes) -> Any:
-    return json.loads(raw)

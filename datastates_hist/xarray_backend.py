@@ -1,11 +1,9 @@
-"""xarray views of a history: lazy arrays over steps, and the ``datastates`` engine.
+"""The ``datastates`` xarray engine: a run opened with ``xr.open_dataset``.
 
-``History.to_xarray(name, steps=...)`` gives one tensor as a lazy
-``xarray.DataArray`` with dims ``(step, dim_0, ...)``; ``xr.open_dataset(run,
-engine="datastates")`` gives every tensor as a variable over ``step``. Both
-read through :meth:`History.read`, so only the selection asked for is read,
-from any backend. This is the only module that imports xarray: ``import
-datastates_hist`` stays light.
+``xr.open_dataset(run, engine="datastates")`` gives every tensor of the run as a
+lazy variable over ``step`` (:func:`.xarray_views.open_history_dataset`). xarray
+finds this engine through the ``xarray.backends`` entry point; ``import
+datastates_hist`` does not import this module, nor xarray.
 
 Example:
     >>> ds = xr.open_dataset("runs/gpt", engine="datastates", chunks={})
@@ -14,305 +12,14 @@ Example:
 
 from __future__ import annotations
 
-import fnmatch
-import json
 import os
-import threading
-import warnings
-import weakref
-from typing import Any, Iterable
 
-import numpy as np
-import pandas as pd
-import torch
 import xarray as xr
-from xarray.backends import BackendArray, BackendEntrypoint
-from xarray.core import indexing
+from xarray.backends import BackendEntrypoint
 
-from .dtypes import torch_dtype
-from .errors import StepNotFoundError
-from .history import MODEL_PREFIX, History
-from .index import INDEX_FILE
-
-# Dtypes numpy lacks (bfloat16, float8) or that most numpy code handles poorly (float16).
-_WIDENED = {torch.bfloat16, torch.float16} | {
-    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-    if hasattr(torch, n)}
-
-# One lock per History: its step cache, SQLite connection and readers are not thread-safe,
-# and dask's threaded scheduler calls __getitem__ from several threads.
-_LOCKS: "weakref.WeakKeyDictionary[History, threading.Lock]" = weakref.WeakKeyDictionary()
-_LOCKS_GUARD = threading.Lock()
-
-
-class ShapeChangeError(ValueError):
-    """A tensor's shape (or dtype) differs between the steps asked for."""
-
-
-def _lock(history: History) -> threading.Lock:
-    with _LOCKS_GUARD:
-        return _LOCKS.setdefault(history, threading.Lock())
-
-
-def numpy_dtype(dtype_name: str) -> np.dtype:
-    """The numpy dtype xarray sees for a stored torch dtype (float32 for 16- and 8-bit floats)."""
-    dtype = torch_dtype(dtype_name)
-    if dtype in _WIDENED:
-        return np.dtype("float32")
-    return torch.empty(0, dtype=dtype).numpy().dtype
-
-
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    return t.to(torch.float32).numpy() if t.dtype in _WIDENED else t.numpy()
-
-
-def _selected_len(key: Any, n: int) -> int | None:
-    """Length of dimension ``n`` after ``key``; None when an int drops the dimension."""
-    if isinstance(key, slice):
-        return len(range(*key.indices(n)))
-    if isinstance(key, np.ndarray):
-        return len(key)
-    return None
-
-
-class TensorArray(BackendArray):
-    """One tensor over a list of steps, read lazily selection by selection.
-
-    Args:
-        history: the open run.
-        name: the tensor's stored name (``model/...``).
-        steps: the steps, in order; the tensor has ``shape`` and ``dtype`` at each.
-        shape: the tensor's shape.
-        dtype_name: the tensor's torch dtype name as recorded.
-    """
-
-    def __init__(self, history: History, name: str, steps: list[int], shape: tuple[int, ...],
-                 dtype_name: str):
-        self.history, self.name, self.steps = history, name, list(steps)
-        self.tensor_shape = tuple(shape)
-        self.shape = (len(self.steps), *self.tensor_shape)
-        self.dtype = numpy_dtype(dtype_name)
-        self.lock = _lock(history)
-
-    def __getitem__(self, key: indexing.ExplicitIndexer) -> np.ndarray:
-        # OUTER: step lists (isel(step=[...])) read only those steps, not their span.
-        return indexing.explicit_indexing_adapter(
-            key, self.shape, indexing.IndexingSupport.OUTER, self._raw_getitem)
-
-    def _raw_getitem(self, key: tuple) -> np.ndarray:
-        step_key, tensor_key = key[0], tuple(key[1:])
-        read_key, post = self._box_key(tensor_key)
-        full = all(isinstance(k, slice) and k.indices(n) == (0, n, 1)
-                   for k, n in zip(read_key, self.tensor_shape))
-        positions = (range(len(self.steps))[step_key] if isinstance(step_key, slice)
-                     else np.asarray(step_key).reshape(-1))
-        sizes = [s for s in (_selected_len(k, n) for k, n in zip(tensor_key, self.tensor_shape))
-                 if s is not None]
-        out = np.empty((len(positions), *sizes), dtype=self.dtype)
-        with self.lock:
-            for i, pos in enumerate(positions):
-                # A whole tensor is read with its checksum checked; a part reads only its box.
-                t = self.history.read(self.name, self.steps[int(pos)], index=None if full else read_key)
-                out[i] = self._post(_to_numpy(t), post)
-        return out[0] if isinstance(step_key, (int, np.integer)) else out
-
-    def _box_key(self, tensor_key: tuple) -> tuple[tuple, list]:
-        """Ints and slices for ``History.read``; an index array becomes its bounding slice."""
-        read_key, post = [], []
-        for k in tensor_key:
-            if isinstance(k, np.ndarray):
-                lo = int(k.min()) if k.size else 0
-                hi = int(k.max()) + 1 if k.size else 0
-                read_key.append(slice(lo, hi))
-                post.append(k - lo)
-            else:
-                read_key.append(int(k) if isinstance(k, np.integer) else k)
-                post.append(None if isinstance(k, slice) else "drop")
-        return tuple(read_key), post
-
-    @staticmethod
-    def _post(arr: np.ndarray, post: list) -> np.ndarray:
-        axis = 0
-        for p in post:
-            if isinstance(p, str):  # an int index: the axis is gone
-                continue
-            if p is not None:
-                arr = np.take(arr, p, axis=axis)
-            axis += 1
-        return arr
-
-
-# --- the layout of a run: which tensor has which shape at which step ------------------------
-
-def select_steps(history: History, steps: Any) -> list[int]:
-    """Committed steps chosen by value: None (all), a slice, an int, or a list.
-
-    ``slice(0, 1000, 10)`` means the committed steps among 0, 10, 20, ..., 990;
-    a step listed explicitly must be committed.
-    """
-    committed = history.steps
-    if steps is None:
-        return committed
-    if isinstance(steps, slice):
-        start = 0 if steps.start is None else steps.start
-        stride = 1 if steps.step is None else steps.step
-        if stride <= 0:
-            raise ValueError(f"a slice of steps must go forward, got step={stride}")
-        return [s for s in committed if s >= start and (steps.stop is None or s < steps.stop)
-                and (s - start) % stride == 0]
-    if isinstance(steps, (int, np.integer)):
-        steps = [steps]
-    chosen = [int(s) for s in steps]
-    have = set(committed)
-    missing = [s for s in chosen if s not in have]
-    if missing:
-        span = f"{committed[0]}..{committed[-1]} ({len(committed)})" if committed else "none"
-        raise StepNotFoundError(f"steps {missing} are not committed in {history.path} "
-                                f"(committed steps: {span})")
-    return chosen
-
-
-def _layout(history: History, steps: list[int], name: str | None = None) -> dict[str, dict[int, tuple]]:
-    """``{name: {step: (dtype, shape)}}`` from the index, for ``steps`` (no tensor data read)."""
-    if not steps:
-        return {}
-    # One query rather than one per step: a long history has thousands of steps.
-    sql = "SELECT step, name, dtype, shape FROM tensors WHERE step BETWEEN ? AND ?"
-    args: list = [min(steps), max(steps)]
-    if name is not None:
-        sql += " AND name=?"
-        args.append(name)
-    wanted = set(steps)
-    out: dict[str, dict[int, tuple]] = {}
-    for step, tname, dtype, shape in history.store.index.conn.execute(sql + " ORDER BY rowid", args):
-        if step in wanted:
-            out.setdefault(tname, {})[step] = (dtype, tuple(json.loads(shape)))
-    return out
-
-
-def _changes(per_step: dict[int, tuple]) -> list[str]:
-    """Where the (dtype, shape) of a tensor changes, as ``"[4, 3] float32 -> [5, 3] float32 at step 7"``."""
-    out, prev = [], None
-    for step in sorted(per_step):
-        dtype, shape = per_step[step]
-        if prev is not None and (dtype, shape) != prev:
-            out.append(f"{list(prev[1])} {prev[0]} -> {list(shape)} {dtype} at step {step}")
-        prev = (dtype, shape)
-    return out
-
-
-def _times(history: History, steps: list[int]) -> np.ndarray:
-    wall = {r.step: r.time for r in history.store.index.step_rows()}
-    if any(s not in wall for s in steps):  # pruned by a writer since the steps were chosen
-        raise StepNotFoundError(f"steps {[s for s in steps if s not in wall]} were removed from {history.path}")
-    return pd.to_datetime([wall[s] for s in steps], unit="s").values
-
-
-def _variable(history: History, name: str, steps: list[int], dtype: str, shape: tuple,
-              dims: tuple[str, ...]) -> xr.Variable:
-    arr = TensorArray(history, name, steps, shape, dtype)
-    attrs = {"name": name, "dtype": dtype, "shape": list(shape)}
-    # One step per chunk, the whole tensor otherwise: how each step stores it.
-    encoding = {"preferred_chunks": dict(zip(dims, (1, *shape)))}
-    return xr.Variable(dims, indexing.LazilyIndexedArray(arr), attrs=attrs, encoding=encoding)
-
-
-def _coords(history: History, steps: list[int]) -> dict:
-    return {"step": ("step", np.asarray(steps, dtype=np.int64), {"long_name": "training step"}),
-            "time": ("step", _times(history, steps), {"long_name": "commit wall time (UTC)"})}
-
-
-def tensor_dataarray(history: History, full_name: str, steps: Any = None) -> xr.DataArray:
-    """Tensor ``full_name`` over ``steps`` as a lazy DataArray with dims ``(step, dim_0, ...)``.
-
-    Args:
-        history: the open run.
-        full_name: the stored name (``History.resolve`` gives it).
-        steps: None (every step holding the tensor), a slice of step values
-            (the committed steps in it that hold the tensor), or a list of steps
-            (each must hold it).
-
-    Raises:
-        ShapeChangeError: the tensor's shape or dtype differs between the steps,
-            naming each step where it changes.
-        KeyError: a listed step lacks the tensor.
-    """
-    explicit = steps is not None and not isinstance(steps, slice)
-    chosen = select_steps(history, steps)
-    per_step = _layout(history, chosen, full_name).get(full_name, {})
-    missing = [s for s in chosen if s not in per_step]
-    if missing and explicit:
-        raise KeyError(f"tensor {full_name!r} is not in steps {missing} of {history.path}")
-    chosen = [s for s in chosen if s in per_step]
-    changes = _changes(per_step)
-    if changes:
-        raise ShapeChangeError(f"tensor {full_name!r} changes across steps in {history.path}: "
-                               + "; ".join(changes) + ". Select steps of one shape.")
-    if chosen:
-        dtype, shape = per_step[chosen[0]]
-    else:  # no step chosen: take the layout from any step, for an empty but well-typed array
-        anywhere = history.store.index.tensor_stats(full_name)
-        if not anywhere:
-            raise KeyError(f"no tensor {full_name!r} in any step of {history.path}")
-        rec = next(r for r in history.store.records(anywhere[0][0]) if r.name == full_name)
-        dtype, shape = rec.dtype, tuple(rec.shape)
-    dims = ("step", *(f"dim_{i}" for i in range(len(shape))))
-    var = _variable(history, full_name, chosen, dtype, shape, dims)
-    return xr.DataArray(var, coords=_coords(history, chosen), name=full_name)
-
-
-def _matches(name: str, patterns: list[str] | None) -> bool:
-    """Every tensor when no pattern; else a glob on the stored or the short name."""
-    if patterns is None:
-        return True
-    short = name[len(MODEL_PREFIX):] if name.startswith(MODEL_PREFIX) else name
-    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(short, p) for p in patterns)
-
-
-def variable_name(full_name: str) -> str:
-    """A name safe for xarray and netCDF: ``model/`` dropped, ``/`` -> ``.``."""
-    short = full_name[len(MODEL_PREFIX):] if full_name.startswith(MODEL_PREFIX) else full_name
-    return short.replace("/", ".")
-
-
-def open_history_dataset(history: History, names: str | Iterable[str] | None = None,
-                         steps: Any = None, drop_variables: Iterable[str] = ()) -> xr.Dataset:
-    """Every tensor of ``history`` (matching ``names``) as a lazy variable over ``steps``.
-
-    Tensors whose shape or dtype changes, or that some of the steps lack, are
-    left out, listed in ``attrs["inconsistent_shapes"]`` / ``attrs["partial_tensors"]``
-    and warned about: one array over ``step`` cannot hold them faithfully.
-    """
-    patterns = [names] if isinstance(names, str) else (list(names) if names is not None else None)
-    drop = set(drop_variables)
-    chosen = select_steps(history, steps)
-    variables, inconsistent, partial, details = {}, [], [], []
-    for name, per_step in _layout(history, chosen).items():
-        safe = variable_name(name)
-        if not _matches(name, patterns) or name in drop or safe in drop:
-            continue
-        changes = _changes(per_step)
-        if changes:
-            inconsistent.append(name)
-            details.append(f"{name}: " + "; ".join(changes))
-            continue
-        if len(per_step) != len(chosen):
-            partial.append(name)
-            continue
-        while safe in variables:  # two stored names mapped to one: keep both
-            safe += "_"
-        dtype, shape = next(iter(per_step.values()))
-        dims = ("step", *(f"{safe}.dim_{i}" for i in range(len(shape))))
-        variables[safe] = _variable(history, name, chosen, dtype, shape, dims)
-    if inconsistent:
-        warnings.warn(f"{len(inconsistent)} tensors of {history.path} change shape or dtype across "
-                      f"steps and are left out: " + " | ".join(details), stacklevel=4)
-    if partial:
-        warnings.warn(f"{len(partial)} tensors of {history.path} are missing from some of the steps "
-                      f"and are left out: {', '.join(partial[:10])}", stacklevel=4)
-    attrs = {"run": os.path.abspath(history.path), "inconsistent_shapes": inconsistent,
-             "partial_tensors": partial}
-    return xr.Dataset(variables, coords=_coords(history, chosen), attrs=attrs)
+from .history import History
+from .layout import INDEX_FILE
+from .xarray_views import open_history_dataset
 
 
 class DatastatesBackendEntrypoint(BackendEntrypoint):
@@ -323,7 +30,8 @@ class DatastatesBackendEntrypoint(BackendEntrypoint):
     open_dataset_parameters = ("filename_or_obj", "drop_variables", "names", "steps")
 
     def open_dataset(self, filename_or_obj, *, drop_variables=None, names=None, steps=None) -> xr.Dataset:
-        """Open the run at ``filename_or_obj``; ``names``: glob(s) or names, ``steps``: see :func:`select_steps`."""
+        """Open the run at ``filename_or_obj``; ``names``: glob(s) or names, ``steps``: see
+        :func:`.xarray_views.select_steps`."""
         if isinstance(drop_variables, str):
             drop_variables = [drop_variables]
         history = History(os.fspath(filename_or_obj))

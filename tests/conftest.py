@@ -12,7 +12,8 @@ BACKENDS = ["adios2", "hdf5"]
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    """Every test taking ``backend`` is part of the shared backend contract suite."""
+    """Every test taking ``backend`` runs for every built-in backend; so does the contract
+    suite (:mod:`datastates_hist.testing.backend_contract`) in test_backend_contract.py."""
     return request.param
 
 

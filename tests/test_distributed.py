@@ -150,12 +150,14 @@ def test_torchrun_history_restores_bit_exact(tmp_path, model):
     check_restores("torchrun", run, 2, model, 9)
 
 
-def test_torchrun_a_failing_rank_leaves_the_step_uncommitted(tmp_path):
+@pytest.mark.parametrize("how, rank", [("put", 0), ("open", 1)])
+def test_torchrun_a_failing_rank_leaves_the_step_uncommitted(tmp_path, how, rank):
     run = str(tmp_path / "run")
-    out = launch("torchrun", 2, "train", run, "--model", "ddp", "--fail-rank", "0", "--fail-step", "3",
-                 "--fail-how", "put")
+    out = launch("torchrun", 2, "train", run, "--model", "ddp", "--fail-rank", str(rank), "--fail-step", "3",
+                 "--fail-how", how)
     assert re.findall(r"rank \d+: steps (\[.*\])", out) == ["[0, 1, 2, 4, 5, 6, 7, 8, 9]"] * 2, out
-    assert re.search(r"rank 1: FAILURE .*step 3 .*rank 0 of 2: OSError: injected failure", out), out
+    other = 1 - rank
+    assert re.search(rf"rank {other}: FAILURE .*step 3 .*rank {rank} of 2: OSError: injected failure", out), out
 
 
 # --- the pieces, without launching ranks -------------------------------------------------

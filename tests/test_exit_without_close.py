@@ -44,16 +44,34 @@ for step in range(int(sys.argv[3])):
 """.replace("SHAPE", repr(SHAPE))
 
 
+# The Checkpointer is dropped (no name holds it) while its steps are in flight.
+DROPPED = r"""
+import gc, sys
+sys.path.insert(0, sys.argv[4])
+import torch
+import datastates_hist as dh
+
+def train(model):
+    ckpt = dh.Checkpointer(sys.argv[1], backend=sys.argv[2], host_cache_bytes=512 << 10, piece_bytes=64 << 10)
+    for step in range(int(sys.argv[3])):
+        big = torch.randn(*SHAPE, generator=torch.Generator().manual_seed(step))
+        ckpt.write(step, model, big=big, half=big.bfloat16(), signs=big > 0)
+
+train(torch.nn.Linear(1, 1))
+gc.collect()
+""".replace("SHAPE", repr(SHAPE))
+
+
 def expected(step):
     big = torch.randn(*SHAPE, generator=torch.Generator().manual_seed(step))
     return {"extra/big": big, "extra/half": big.bfloat16(), "extra/signs": big > 0}
 
 
-def run_children(run_dirs, backend):
+def run_children(run_dirs, backend, program=CHILD):
     """The program once per run directory, a few at a time; their outcomes in order."""
     outcomes = []
     for at in range(0, len(run_dirs), AT_ONCE):
-        children = [subprocess.Popen([sys.executable, "-c", CHILD, run_dir, backend, str(STEPS), ROOT],
+        children = [subprocess.Popen([sys.executable, "-c", program, run_dir, backend, str(STEPS), ROOT],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                     for run_dir in run_dirs[at:at + AT_ONCE]]
         outcomes += [(child.communicate(timeout=300)[1], child.returncode) for child in children]
@@ -65,6 +83,15 @@ def test_program_ending_without_close_commits_every_step(tmp_path, backend):
     outcomes = run_children(run_dirs, backend)
     failed = [(i, code, err[-500:]) for i, (err, code) in enumerate(outcomes) if code != 0 or err]
     assert not failed, f"{len(failed)} of {RUNS} runs failed: {failed}"
+    for run_dir in run_dirs:
+        assert_every_step_restores(run_dir)
+
+
+def test_a_checkpointer_dropped_without_close_commits_every_step(tmp_path, backend):
+    run_dirs = [str(tmp_path / f"run{i}") for i in range(AT_ONCE)]
+    outcomes = run_children(run_dirs, backend, DROPPED)
+    failed = [(i, code, err[-500:]) for i, (err, code) in enumerate(outcomes) if code != 0 or err]
+    assert not failed, f"{len(failed)} of {len(run_dirs)} runs failed: {failed}"
     for run_dir in run_dirs:
         assert_every_step_restores(run_dir)
 

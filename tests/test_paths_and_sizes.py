@@ -23,11 +23,11 @@ import torch
 
 import datastates_hist as dh
 from datastates_hist.backends import get_backend
-from datastates_hist.backends.base import remove_tree
 from datastates_hist.backends.ranks import RankFilesWriter
 from datastates_hist.commit import manifest_bytes, record_step
 from datastates_hist.digest import checksum_bytes
 from datastates_hist.dtypes import storage_torch_dtype
+from datastates_hist.durable import remove_tree
 from datastates_hist.group import Group
 from datastates_hist.index import Index
 from datastates_hist.items import TensorRecord

@@ -26,10 +26,11 @@ import torch
 
 import datastates_hist as dh
 from datastates_hist.backends import get_backend
-from datastates_hist.backends.base import remove_tree
 from datastates_hist.commit import manifest_bytes
+from datastates_hist.durable import remove_tree
 from datastates_hist.index import Index
-from datastates_hist.repair import REBUILDING_DIR, repair_run
+from datastates_hist.layout import REBUILDING_DIR
+from datastates_hist.repair import repair_run
 from datastates_hist.verify import verify_run
 
 from test_distributed import launch, needs_mpi, restored_lines, trained

@@ -13,7 +13,8 @@ import datastates_hist as dh
 from datastates_hist.store import StepData, Store
 
 xr = pytest.importorskip("xarray")
-from datastates_hist.xarray_backend import DatastatesBackendEntrypoint, ShapeChangeError  # noqa: E402
+from datastates_hist.xarray_backend import DatastatesBackendEntrypoint  # noqa: E402
+from datastates_hist.errors import ShapeChangeError  # noqa: E402
 
 STEPS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
 W = "model/0.weight"  # (5, 4)

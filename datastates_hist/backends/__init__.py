@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Backend, StepReader, StepWriter
+from .base import Backend
+from .step import StepReader, StepWriter
 
 _BUILTIN = {
     "adios2": ("datastates_hist.backends.adios2_bp5", "Adios2Backend"),
@@ -17,6 +18,11 @@ _REGISTERED: dict[str, Backend] = {}
 def register_backend(name: str, backend: Backend) -> None:
     """Make ``backend`` available as ``Checkpointer(path, backend=name)``."""
     _REGISTERED[name] = backend
+
+
+def unregister_backend(name: str) -> None:
+    """Forget the backend registered as ``name`` (a built-in is found again on next use)."""
+    _REGISTERED.pop(name, None)
 
 
 def backend_names() -> list[str]:
@@ -52,4 +58,5 @@ def make_backend(name: str, options: dict | None = None) -> Backend:
         raise TypeError(f"backend {name!r} does not take the options {sorted(options)}: {exc}") from None
 
 
-__all__ = ["Backend", "StepReader", "StepWriter", "backend_names", "get_backend", "make_backend", "register_backend"]
+__all__ = ["Backend", "StepReader", "StepWriter", "backend_names", "get_backend", "make_backend", "register_backend",
+           "unregister_backend"]

@@ -22,10 +22,14 @@ import os
 
 import numpy as np
 
+from ..boxes import overlap
 from ..digest import checksum_bytes
+from ..durable import fsync_tree, remove_tree
 from ..errors import CorruptionError
+from ..layout import entry_path, step_stem
 from . import _adios2_capi as capi
-from .base import Backend, StagedStepWriter, StepReader, entry_path, fsync_tree, remove_tree, step_stem
+from .base import Backend, StagedStepWriter
+from .step import StepReader
 
 MANIFEST = "__manifest__"
 BLOCKS = "__blocks__"
@@ -114,6 +118,7 @@ class Adios2CollectiveWriter(Adios2StepWriter):
     closing are collective.
     """
 
+    shared = True
     write_out_early = False  # its write_out copies the blocks: only when the cache is full
 
     def __init__(self, final: str, parameters: dict[str, str], comm):
@@ -150,9 +155,6 @@ class Adios2CollectiveWriter(Adios2StepWriter):
             self.close_files()  # collective: every rank aborts together
         except Exception:
             pass
-
-    def remove(self):
-        remove_tree(self.tmp)
 
 
 class Adios2StepReader(StepReader):
@@ -217,12 +219,11 @@ class Adios2StepReader(StepReader):
         """Read a box of a tensor whose blocks lie in several ADIOS2 steps, block by block."""
         view = out.reshape(_file_shape(out.shape))
         lo = _file_start(start)
-        hi = tuple(s + n for s, n in zip(lo, view.shape))
         for step, bstart, bcount in self.split[name]:
-            a = tuple(max(x, y) for x, y in zip(lo, bstart))
-            b = tuple(min(x, y + n) for x, y, n in zip(hi, bstart, bcount))
-            if any(x >= y for x, y in zip(a, b)):
+            common = overlap(lo, view.shape, bstart, bcount)
+            if common is None:
                 continue
+            a, b = common
             dst = view[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, lo))]
             part = dst if dst.flags.c_contiguous else np.empty(dst.shape, dtype=dst.dtype)
             count = tuple(y - x for x, y in zip(a, b))

@@ -19,7 +19,8 @@ import os
 import h5py
 import numpy as np
 
-from .base import Backend, StagedStepWriter, StepReader
+from .base import Backend, StagedStepWriter
+from .step import StepReader
 
 MANIFEST = "__manifest__"
 SUFFIX = ".h5"

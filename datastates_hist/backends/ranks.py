@@ -13,19 +13,15 @@ from __future__ import annotations
 
 import os
 
-from .base import StepReader, StepWriter, entry_path, remove_tree, rename_into_place, step_stem
-
-RANKS_SUFFIX = ".ranks"
-
-
-def rank_file(rank: int, suffix: str) -> str:
-    return f"rank{rank:05d}{suffix}"
+from ..durable import remove_tree, rename_into_place
+from ..layout import PARTIAL, RANKS_SUFFIX, entry_path, rank_file, step_stem
+from .step import StepReader, StepWriter
 
 
 class RankFilesWriter(StepWriter):
     def __init__(self, backend, steps_dir: str, step: int, group):
         self.final = os.path.join(steps_dir, step_stem(step) + RANKS_SUFFIX)
-        self.tmp = self.final + ".partial"
+        self.tmp = self.final + PARTIAL
         os.makedirs(self.tmp, exist_ok=True)
         self.file = backend.writer_at(os.path.join(self.tmp, rank_file(group.rank, backend.suffix)), step)
 
@@ -53,8 +49,7 @@ class RankFilesWriter(StepWriter):
         self.file.abort()
 
     def remove(self) -> None:
-        """Rank 0, after every rank aborted: remove the step's folder."""
-        remove_tree(self.tmp)
+        remove_tree(self.tmp)  # the step's folder, with every rank's file
 
 
 class RankFilesReader(StepReader):

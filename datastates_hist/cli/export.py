@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 
-from ..history import MODEL_PREFIX, History
+from ..history import History
+from ..items import MODEL_PREFIX, short_name
 from . import step_number
 
 
@@ -34,7 +35,7 @@ def run(args) -> int:
             if not names:
                 raise KeyError(f"step {args.step} of {args.run} holds no model tensors (try --all)")
         data = h.step_data(args.step)
-        tensors = {(n if args.all else n[len(MODEL_PREFIX):]): data.read(n).contiguous() for n in names}
+        tensors = {(n if args.all else short_name(n)): data.read(n).contiguous() for n in names}
     tmp = args.to + ".partial"
     if args.to.endswith(".safetensors"):
         from safetensors.torch import save_file

@@ -1,6 +1,6 @@
 """A distributed training job for the multi-rank tests, run under ``mpirun`` or ``torchrun``.
 
-    dist_train.py train RUN --model ddp|dtensor --steps 10 [--fail-rank R --fail-step S --fail-how raise|put]
+    dist_train.py train RUN --model ddp|dtensor --steps 10 [--fail-rank R --fail-step S --fail-how raise|put|open]
     dist_train.py restore RUN STEP --model ddp|dtensor|plain
 
 ``train`` checkpoints every step and saves, at rank 0, the global tensors of
@@ -155,6 +155,8 @@ def train(args, comm):
     rank = dist.get_rank() if dist.is_initialized() else 0
     if args.fail_how == "put" and rank == args.fail_rank:
         fail_puts_at(args.fail_step)
+    if args.fail_how == "open" and rank == args.fail_rank:
+        fail_open_at(args.fail_step)
     options = {"parameters": {"NumAggregators": str(args.aggregators)}} if args.aggregators else None
     ckpt = dh.Checkpointer(args.run, comm=comm, backend=args.backend, backend_options=options)
     expected_dir = args.run + ".expected"
@@ -208,6 +210,18 @@ def fail_puts_at(step: int):
         cls.put = put
 
 
+def fail_open_at(step: int):
+    """Make this rank fail to open its writer of one step (before anything is written)."""
+    from datastates_hist.backends.base import Backend
+
+    def begin_step(self, steps_dir, at, group=None, _original=Backend.begin_step):
+        if at == step:
+            raise OSError(f"injected failure to open step {step}")
+        return _original(self, steps_dir, at, group)
+
+    Backend.begin_step = begin_step
+
+
 def restore(args, comm):
     model, mesh = build(args.model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
@@ -252,7 +266,7 @@ def main():
     p.add_argument("--aggregators", type=int, default=0, help="BP5 NumAggregators (MPI)")
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-step", type=int, default=-1)
-    p.add_argument("--fail-how", default=None, choices=["raise", "put"])
+    p.add_argument("--fail-how", default=None, choices=["raise", "put", "open"])
     args = p.parse_args()
     comm = init_distributed()
     try:

@@ -1,0 +1,140 @@
+"""The pipeline of checkpoints after ``write()``: host cache -> snapshot thread ->
+flusher thread -> committer, the training hooks that wait for the snapshot, and
+the report of checkpoints that failed.
+
+Both threads start at the first checkpoint and take checkpoints one at a time,
+in the order submitted, so steps commit in order. Several may be in flight; the
+host cache bounds their memory.
+"""
+
+from __future__ import annotations
+
+import errno
+import sqlite3
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .cache import HostCache
+from .commit import Committer
+from .errors import CheckpointError
+from .flush import Flusher
+from .snapshot import PendingCheckpoint, Snapshotter
+
+
+class Pipeline:
+    """Checkpoints in flight, from the snapshot to the commit."""
+
+    def __init__(self, committer: Committer, cache_bytes: int, piece_bytes: int, refuse_nonfinite: bool):
+        self.committer = committer
+        self.cache_bytes, self.piece_bytes = cache_bytes, piece_bytes
+        self.refuse_nonfinite = refuse_nonfinite
+        self.cache: HostCache | None = None
+        self._snapshotter: Snapshotter | None = None
+        self._flusher: Flusher | None = None
+        self._pending: list[PendingCheckpoint] = []
+        self._last: PendingCheckpoint | None = None
+        self._hooks: dict[int, Any] = {}
+        self.hook_seconds = 0.0  # training-thread time spent waiting in the hooks
+
+    def submit(self, ckpt: PendingCheckpoint, model: Any, optimizer: Any) -> None:
+        """Queue ``ckpt`` (of ``model`` and ``optimizer``) for its snapshot, after the previous one's."""
+        self._start(ckpt)
+        self.install_hooks(model, optimizer)
+        if any(t.tensor.is_cuda for t in ckpt.tensors):
+            ckpt.ready_event = torch.cuda.current_stream().record_event()
+        self._last = ckpt
+        self._pending.append(ckpt)
+        self._snapshotter.submit(ckpt)
+
+    def submit_failed(self, step: int, exc: BaseException) -> None:
+        """Queue a failed placeholder of ``step``: with several ranks, the other ranks'
+        flushers wait at the commit for this rank's word on every step."""
+        ckpt = PendingCheckpoint(step, [], {"items": {}, "objects": {}})
+        ckpt.fail(exc)
+        self._start(ckpt)
+        self._pending.append(ckpt)
+        self._snapshotter.submit(ckpt)
+
+    def _start(self, ckpt: PendingCheckpoint) -> None:
+        if self._snapshotter is not None:
+            return
+        pin = torch.cuda.is_available() and any(t.tensor.is_cuda for t in ckpt.tensors)
+        self.cache = HostCache(self.cache_bytes, pin=pin)
+        self._flusher = Flusher(self.cache, self.committer, self.refuse_nonfinite)
+        self._snapshotter = Snapshotter(self.cache, self._flusher.inbox, self.piece_bytes)
+
+    # --- waiting ------------------------------------------------------------------------
+
+    def wait_snapshot(self, volatile_only: bool = False) -> None:
+        """Wait until the last checkpoint's tensors (or only its volatile ones) are copied."""
+        ckpt = self._last
+        if ckpt is None:
+            return
+        done = ckpt.volatile_done if volatile_only else ckpt.snapshot_done
+        done.wait()
+        event = ckpt.volatile_copied if volatile_only else ckpt.copied
+        if event is not None:  # the training stream must not overwrite before the copy ran
+            torch.cuda.current_stream().wait_event(event)
+
+    def wait(self) -> None:
+        """Wait until every submitted checkpoint is committed or failed."""
+        for ckpt in list(self._pending):
+            ckpt.done.wait()
+
+    def failures(self) -> list[PendingCheckpoint]:
+        """The checkpoints that failed since the last call (each reported once)."""
+        done = [c for c in self._pending if c.done.is_set()]
+        self._pending = [c for c in self._pending if not c.done.is_set()]
+        return [c for c in done if c.error is not None]
+
+    def install_hooks(self, model: Any, optimizer: Any) -> None:
+        """Make training wait for the snapshot only where it must: the forward for the
+        volatile tensors (buffers it changes), the optimizer step for the rest."""
+        if isinstance(model, nn.Module) and id(model) not in self._hooks:
+            self._hooks[id(model)] = model.register_forward_pre_hook(
+                lambda *_: self._hook_wait(volatile_only=True))
+        if isinstance(optimizer, torch.optim.Optimizer) and id(optimizer) not in self._hooks:
+            self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(
+                lambda *_: self._hook_wait())
+
+    def _hook_wait(self, volatile_only: bool = False) -> None:
+        t0 = time.perf_counter()
+        self.wait_snapshot(volatile_only)
+        self.hook_seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Remove the hooks and end the threads (after :meth:`wait`)."""
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+        if self._snapshotter is not None:
+            self._snapshotter.stop()
+            self._flusher.thread.join()
+        self.committer.close()
+
+
+def checkpoint_failed(run_dir: str, failed: list[PendingCheckpoint]) -> CheckpointError:
+    """The error that reports ``failed`` checkpoints to the training loop (raise it
+    from the first one's error)."""
+    first = failed[0]
+    steps = ", ".join(str(c.step) for c in failed)
+    hint = ("; no space left on device: free space, then write again (committed steps are intact)"
+            if _disk_full(first.error) else "")
+    return CheckpointError(
+        f"checkpoint of step {steps} in {run_dir} failed and was not committed: "
+        f"{type(first.error).__name__}: {first.error}{hint}"
+    )
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says the device is full."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(exc, sqlite3.OperationalError) and "disk is full" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
