@@ -4,30 +4,52 @@
     ckpt = dh.Checkpointer("runs/exp1")
     ckpt.write(step, model, optimizer, scheduler=scheduler)
     ckpt.restore(model=model, optimizer=optimizer, scheduler=scheduler)
+
+The public names are imported on first use (PEP 562), so that ``import
+datastates_hist`` and the command line's ``--help`` and ``ls`` do not import
+torch.
 """
 
-from .checkpointer import Checkpointer
-from .restore import Restored
-from .history import History, open
-from .errors import (
-    CheckpointError,
-    CorruptionError,
-    FormatError,
-    RestoreMismatchError,
-    ShapeChangeError,
-    StepNotFoundError,
-    StepOrderError,
-    StoreLockedError,
-    StoreNotFoundError,
-)
-from .items import TensorItem, ValueItem
-from .providers import Context, StateProvider, StoredState, register_provider
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointError", "Checkpointer", "Context", "CorruptionError", "FormatError",
-    "History", "RestoreMismatchError", "Restored", "open", "ShapeChangeError", "StateProvider", "StepNotFoundError", "StepOrderError",
-    "StoreLockedError", "StoreNotFoundError", "StoredState", "TensorItem", "ValueItem",
-    "register_provider",
-]
+# public name -> the module of this package that defines it
+_HOMES = {
+    "Checkpointer": "checkpointer",
+    "Restored": "restore",
+    "History": "history",
+    "open": "history",
+    "CheckpointError": "errors",
+    "CorruptionError": "errors",
+    "FormatError": "errors",
+    "RestoreMismatchError": "errors",
+    "ShapeChangeError": "errors",
+    "StepNotFoundError": "errors",
+    "StepOrderError": "errors",
+    "StoreLockedError": "errors",
+    "StoreNotFoundError": "errors",
+    "TensorItem": "items",
+    "ValueItem": "items",
+    "Context": "providers",
+    "StateProvider": "providers",
+    "StoredState": "providers",
+    "register_provider": "providers",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value  # found once; later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

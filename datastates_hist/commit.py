@@ -3,7 +3,8 @@
 1. The flusher has put every tensor of the step to the backend's writer.
 2. ``writer.finish(manifest)`` writes the manifest (the step's records and
    plain values), fsyncs every byte and renames the step's file into place.
-3. One SQLite transaction inserts the step's row and its tensor rows.
+3. One SQLite transaction inserts the step's row, its tensor rows and its
+   scalars (the numbers among its values, :mod:`.scalars`).
 
 Only step 3 makes the step visible. A crash before it leaves data that no
 index row names; the next writer removes it (:func:`remove_uncommitted`),
@@ -32,6 +33,7 @@ from .errors import CorruptionError
 from .index import FORMAT_VERSION, Index, StepRow, check_location
 from .items import TensorRecord, under
 from .layout import PARTIAL, steps_dir
+from .scalars import scalars_of
 from .sharding import merge_records
 
 
@@ -89,17 +91,18 @@ def commit_step(index: Index, backend: str, step: int, writer: StepWriter,
                 records: list[TensorRecord], values: dict) -> StepRow:
     manifest = manifest_bytes(step, records, values)
     location = writer.finish(manifest)
-    return record_step(index, backend, step, location, records, manifest)
+    return record_step(index, backend, step, location, records, manifest, scalars_of(values["items"]))
 
 
 def record_step(index: Index, backend: str, step: int, location: str,
-                records: list[TensorRecord], manifest: bytes) -> StepRow:
+                records: list[TensorRecord], manifest: bytes,
+                scalars: dict[str, int | float] | None = None) -> StepRow:
     row = StepRow(
         step=step, time=time.time(), backend=backend, location=location,
         nbytes=sum(r.nbytes for r in records), ntensors=len(records), tier="full",
         manifest_checksum=checksum_bytes(manifest),
     )
-    index.commit_step(row, records)
+    index.commit_step(row, records, scalars)  # one transaction: the step with its scalars
     return row
 
 
@@ -148,7 +151,8 @@ def commit_collective(group, index: Index | None, backend: str, ckpt, writer, re
             verdict["error"] = next((f"rank {r}: {e}" for r, e in enumerate(sealed) if e), None)
             if verdict["error"] is None:
                 try:
-                    record_step(index, backend, ckpt.step, writer.publish(), merged, manifest)
+                    record_step(index, backend, ckpt.step, writer.publish(), merged, manifest,
+                                scalars_of(values["items"]))
                 except BaseException as exc:
                     verdict["error"] = f"rank 0 (publishing): {_describe(exc)}"
         verdict = group.bcast(verdict)

@@ -1,7 +1,8 @@
 """The History API: read-only access to a run, for analysis and notebooks.
 
 ``dh.open(path)`` sees committed steps only, and is safe while a writer
-appends or prunes. Statistics come from the index without reading tensor
+appends or prunes. Statistics and scalars (the loss, the learning rates: the
+numbers written with each step) come from the index without reading tensor
 data; ``read`` reads only the selection asked for; ``diff`` compares two
 steps (of one run or of two runs) tensor by tensor.
 """
@@ -16,8 +17,10 @@ import numpy as np
 import torch
 
 from .dtypes import storage_torch_dtype
+from .errors import StepNotFoundError
 from .index import STAT_KEYS
 from .items import MODEL_PREFIX, matches
+from .scalars import close_names, matches_scalar, resolve_scalar, scalars_of
 from .store import StepData, Store
 
 
@@ -74,6 +77,125 @@ class History:
         df.attrs["name"] = full
         return df
 
+    # --- scalars: the plain numbers written with each step (scalars.py names them) ------
+
+    def _scalar_rows(self) -> list[tuple[int, str, float]]:
+        """``(step, name, value)`` of every scalar of every committed step, by step.
+
+        From the index; a step committed before the index recorded scalars (by an
+        earlier version) has them read from its manifest.
+        """
+        index = self.store.index
+        rows = [(s, n, math.nan if v is None else v) for s, n, v in index.scalar_rows()]
+        start, recorded = index.scalars_from(), set(index.scalar_steps())
+        for step in self.steps:
+            if step in recorded or (start is not None and step >= start):
+                continue
+            try:
+                with self.store.open_step(step) as data:
+                    items = data.values["items"]
+            except StepNotFoundError:  # pruned by a writer meanwhile
+                continue
+            rows.extend((step, name, value) for name, value in scalars_of(items).items())
+        rows.sort(key=lambda r: r[0])
+        return rows
+
+    def scalar_names(self) -> list[str]:
+        """The names of the scalars of any step, sorted."""
+        return sorted({name for _, name, _ in self._scalar_rows()})
+
+    def scalars(self, names: str | list[str] | None = None):
+        """A pandas DataFrame of scalars: index ``step``, one column per scalar name.
+
+        ``names``: names, short forms (``loss`` for ``extra/data/loss``) or globs
+        (default: every scalar). A step that lacks a scalar holds NaN there.
+        """
+        return self._scalar_frame(self._scalar_rows(), names)
+
+    def scalar(self, name: str):
+        """One scalar over the steps that hold it, as a pandas Series indexed by step."""
+        rows = self._scalar_rows()
+        full = self._resolve_scalar(name, rows)
+        import pandas as pd
+
+        steps, values = zip(*[(s, v) for s, n, v in rows if n == full])
+        return pd.Series(values, index=pd.Index(steps, name="step"), name=full)
+
+    def trace(self, names: str | list[str], stat: str = "norm"):
+        """Scalars and one statistic of tensors side by side: a DataFrame indexed by step,
+        one column per stored name, over the steps any of them has (NaN elsewhere).
+
+        ``names``: tensor names (``model/`` may be left out), scalar names or short
+        forms (``loss``), or globs of either (``blocks.0.*``). An unknown name raises
+        ``KeyError`` naming it and the names closest to it.
+        """
+        import pandas as pd
+
+        if stat not in STAT_KEYS:
+            raise ValueError(f"unknown statistic {stat!r}; one of {', '.join(STAT_KEYS)}")
+        wanted = [names] if isinstance(names, str) else list(names)
+        tensors = self.names()
+        rows: list | None = None  # the scalars, read once and only if needed
+        columns: dict[str, pd.Series] = {}
+        for name in wanted:
+            glob = any(c in name for c in "*?[")
+            found_tensors = ([t for t in tensors if matches(t, [name])] if glob
+                             else [t for t in (name, MODEL_PREFIX + name) if t in tensors][:1])
+            for t in found_tensors:
+                columns.setdefault(t, self.stats(t)[stat].rename(t))
+            if found_tensors and not glob:
+                continue
+            rows = self._scalar_rows() if rows is None else rows
+            known = sorted({n for _, n, _ in rows})
+            found_scalars = ([n for n in known if matches_scalar(n, [name])] if glob
+                             else [full] if (full := resolve_scalar(name, known)) else [])
+            if not found_tensors and not found_scalars:
+                close = close_names(name, known + tensors)
+                hint = f"; close names: {', '.join(close)}" if close else ""
+                raise KeyError(f"no tensor matches {name!r} in {self.path}, nor a scalar{hint}" if glob
+                               else f"no tensor {name!r} in {self.path}, nor a scalar{hint}")
+            frame = self._scalar_frame(rows, found_scalars)
+            for n in found_scalars:
+                columns.setdefault(n, frame[n])
+        out = pd.DataFrame(columns)
+        out.index.name = "step"
+        out.attrs["tensors"] = [n for n in columns if n in tensors]  # the others are scalars
+        return out.sort_index()
+
+    def _resolve_scalar(self, name: str, rows: list[tuple]) -> str:
+        known = sorted({n for _, n, _ in rows})
+        full = resolve_scalar(name, known)
+        if full is None:
+            close = close_names(name, known)
+            hint = f"; close names: {', '.join(close)}" if close else ""
+            raise KeyError(f"no scalar {name!r} in {self.path}{hint}")
+        return full
+
+    def _scalar_frame(self, rows: list[tuple], names: str | list[str] | None):
+        import pandas as pd
+
+        known = sorted({n for _, n, _ in rows})
+        if names is None:
+            chosen = known
+        else:
+            chosen = []
+            for name in [names] if isinstance(names, str) else names:
+                if any(c in name for c in "*?["):
+                    picked = [n for n in known if matches_scalar(n, [name])]
+                    if not picked:
+                        raise KeyError(f"no scalar matches {name!r} in {self.path}")
+                else:
+                    picked = [self._resolve_scalar(name, rows)]
+                chosen += [n for n in picked if n not in chosen]
+        wanted = set(chosen)
+        table: dict[str, dict[int, float]] = {n: {} for n in chosen}
+        for step, name, value in rows:
+            if name in wanted:
+                table[name][step] = value
+        out = pd.DataFrame(table, columns=chosen)
+        out.index.name = "step"
+        return out.sort_index()
+
     # --- tensor data --------------------------------------------------------------------
 
     def step_data(self, step: int) -> StepData:
@@ -109,10 +231,18 @@ class History:
         return diff_steps(self, a, other or self, b, names)
 
     def to_xarray(self, name: str, steps: Any = None):
-        """A lazily loaded ``xarray.DataArray`` of one tensor over steps (dims ``step, dim_0, ...``)."""
-        from .xarray_views import tensor_dataarray
+        """A lazily loaded ``xarray.DataArray`` of one tensor over steps (dims ``step, dim_0, ...``),
+        or of one scalar (dim ``step``) when ``name`` is no tensor."""
+        from .xarray_views import scalar_dataarray, tensor_dataarray
 
-        return tensor_dataarray(self, self.resolve(name), steps)
+        try:
+            full = self.resolve(name)
+        except KeyError as not_tensor:
+            try:
+                return scalar_dataarray(self, self.scalar(name), steps)
+            except KeyError:
+                raise not_tensor from None
+        return tensor_dataarray(self, full, steps)
 
     def close(self) -> None:
         for data in self._open.values():
@@ -172,7 +302,8 @@ def _compared(name: str, patterns: list[str] | None) -> bool:
 
 def diff_steps(ha: History, a: int, hb: History, b: int, names=None):
     """Per tensor present in both steps: l2 of the difference, relative l2, max abs
-    difference, cosine similarity, and the fraction of elements that changed."""
+    difference, cosine similarity, the fraction of elements that changed, and
+    whether it holds whole numbers only (``integral``: counters, masks)."""
     import pandas as pd
 
     patterns = [names] if isinstance(names, str) else names
@@ -181,25 +312,29 @@ def diff_steps(ha: History, a: int, hb: History, b: int, names=None):
     rows = []
     for name in [n for n in ra if n in rb and _compared(n, patterns)]:
         if ra[name].shape != rb[name].shape:
-            rows.append({"name": name, "shape": ra[name].shape, "note": f"shape {list(ra[name].shape)} -> {list(rb[name].shape)}"})
+            rows.append({"name": name, "shape": ra[name].shape, "integral": False,  # not compared
+                         "note": f"shape {list(ra[name].shape)} -> {list(rb[name].shape)}"})
             continue
         x = ha.step_data(a).read(name)
         y = hb.step_data(b).read(name)
         rows.append({"name": name, "shape": tuple(ra[name].shape), **compare(x, y), "note": ""})
     if patterns is not None and not rows:
         raise KeyError(f"no tensor matches {', '.join(patterns)} in both steps")
-    cols = ["name", "shape", "l2", "rel_l2", "max_abs", "cosine", "frac_changed", "note"]
+    cols = ["name", "shape", "l2", "rel_l2", "max_abs", "cosine", "frac_changed", "integral", "note"]
     return pd.DataFrame(rows, columns=cols)
 
 
-def compare(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+def compare(x: torch.Tensor, y: torch.Tensor) -> dict[str, float | bool]:
     """Difference metrics of two tensors of the same shape, computed in float64.
 
     A position holding NaN in both tensors counts as unchanged and is left out of
     every metric; a position equal in both (equal infinities too) has difference 0.
     So two identical steps compare as unchanged (``l2``, ``rel_l2``, ``max_abs`` and
     ``frac_changed`` 0) whatever they hold. NaN against a number is a change, and
-    makes ``l2``, ``rel_l2``, ``max_abs`` and ``cosine`` NaN.
+    makes ``l2``, ``rel_l2``, ``max_abs`` and ``cosine`` NaN. ``rel_l2`` is ``l2``
+    over the norm of ``x``, NaN when that norm is 0 and the tensor changed.
+    ``integral``: both tensors hold whole numbers only (an optimizer's float ``step``
+    counter, an integer buffer, a mask), which rankings of change leave out.
     """
     numel = x.numel()
     parts = x.is_complex()  # compared as (real, imaginary) pairs
@@ -216,8 +351,20 @@ def compare(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
     ny = float(torch.linalg.vector_norm(yd)) if yd.numel() else 0.0
     return {
         "l2": l2,
-        "rel_l2": 0.0 if l2 == 0 else (l2 / nx if nx else math.inf),
+        # A change relative to an all-zero tensor has no value: NaN, which a ranking puts
+        # last, where inf put every zero-initialised tensor first. No floor (l2 / max(nx,
+        # eps)) is used: any eps would be a scale the tensor does not have, and give a
+        # number that looks like a measurement.
+        "rel_l2": 0.0 if l2 == 0 else (l2 / nx if nx else math.nan),
         "max_abs": float(d.abs().max()) if d.numel() else 0.0,
         "cosine": float(torch.dot(xd, yd)) / (nx * ny) if nx and ny else math.nan,
         "frac_changed": changed,
+        "integral": whole(x) and whole(y),
     }
+
+
+def whole(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` is a whole number (any integer dtype)."""
+    if not (x.is_floating_point() or x.is_complex()):
+        return True
+    return bool(torch.isfinite(x).all() and (x == x.trunc()).all())

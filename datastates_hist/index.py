@@ -18,7 +18,6 @@ import sqlite3
 import time
 from dataclasses import dataclass
 
-from .backends import backend_names, get_backend
 from .errors import CorruptionError, FormatError, StoreNotFoundError
 from .items import TensorRecord
 from .layout import INDEX_FILE, PARTIAL, RANKS_SUFFIX, entry_path, finished_units, index_path, step_stem, steps_dir
@@ -48,7 +47,17 @@ CREATE TABLE IF NOT EXISTS tensors (
     norm REAL, min REAL, max REAL, mean REAL, std REAL, nonfinite INTEGER,
     PRIMARY KEY (step, name)
 );
+CREATE TABLE IF NOT EXISTS scalars (
+    step INTEGER NOT NULL REFERENCES steps(step) ON DELETE CASCADE,
+    name TEXT NOT NULL,            -- extra/data/loss, optim/param_groups/0/lr (scalars.py)
+    value,                         -- INTEGER or REAL as written; NULL for NaN (SQLite has no NaN)
+    PRIMARY KEY (step, name)
+);
 """
+
+# The first step from which every committed step has its scalars in the ``scalars``
+# table (set by the first commit that records them); older steps may lack them.
+SCALARS_FROM = "scalars_from_step"
 
 _COLUMNS = {
     "meta": ("key", "value"),
@@ -56,6 +65,9 @@ _COLUMNS = {
     "tensors": ("step", "name", "dtype", "shape", "nbytes", "checksum", "encoding",
                 "norm", "min", "max", "mean", "std", "nonfinite"),
 }
+
+# Tables an index written by an earlier version lacks: checked when present.
+_GROWN_COLUMNS = {"scalars": ("step", "name", "value")}
 
 STAT_KEYS = ("norm", "min", "max", "mean", "std", "nonfinite")
 
@@ -115,6 +127,8 @@ class Index:
             if empty:
                 self._create_schema(backend)
             self._check_format(run_dir)
+            if create and not empty:
+                self._grow_schema()
         except sqlite3.DatabaseError as exc:
             self.close()
             raise self._error(exc) from exc
@@ -155,6 +169,12 @@ class Index:
                  ("created", str(time.time()))],
             )
 
+    def _grow_schema(self) -> None:
+        """Add the tables of this version that an index written before lacks (a writer
+        appending to an older run); its rows are not rewritten."""
+        with self.conn:
+            self.conn.executescript("BEGIN;" + SCHEMA)
+
     def _check_format(self, run_dir: str) -> None:
         # quick_check walks every page once (about 0.1 s for 1000 steps of 300
         # tensors), so a damaged index is named here rather than by a later query.
@@ -176,8 +196,10 @@ class Index:
     def _check_schema(self) -> None:
         """The tables and columns this version reads: an index missing one is damaged
         (a query would otherwise fail later with SQLite's own message)."""
-        for table, columns in _COLUMNS.items():
+        for table, columns in {**_COLUMNS, **_GROWN_COLUMNS}.items():
             found = tuple(r[1] for r in self.conn.execute(f"PRAGMA table_info({table})"))
+            if table in _GROWN_COLUMNS and not found:
+                continue
             if found[:len(columns)] != columns:
                 what = "is missing" if not found else f"has the columns {list(found)}"
                 raise sqlite3.DatabaseError(f"its table {table!r} {what}")
@@ -185,6 +207,8 @@ class Index:
     def backend(self, asked: str | None = None) -> str:
         """The backend of the run: ``asked`` if given, else the one the index names
         (``adios2`` for a new run); an unknown stored name is a :class:`FormatError`."""
+        from .backends import backend_names  # here: the registry loads numpy, which a listing does not need
+
         name = asked or self.meta("backend") or "adios2"
         if not asked and name not in backend_names():
             raise FormatError(
@@ -197,8 +221,10 @@ class Index:
         rows = self._read("SELECT value FROM meta WHERE key=?", (key,))
         return rows[0][0] if rows else None
 
-    def commit_step(self, row: StepRow, records: list[TensorRecord]) -> None:
-        """Make a step visible: its row and its tensors in one transaction."""
+    def commit_step(self, row: StepRow, records: list[TensorRecord],
+                    scalars: dict[str, int | float] | None = None) -> None:
+        """Make a step visible: its row, its tensors and (when given) its scalars in one
+        transaction. ``scalars`` None: not recorded (the step's manifest holds them)."""
         with self.conn:
             self.conn.execute(
                 "INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -210,6 +236,17 @@ class Index:
                 [(row.step, r.name, r.dtype, json.dumps(list(r.shape)), r.nbytes, r.checksum,
                   r.encoding, *(r.stats.get(k) for k in STAT_KEYS)) for r in records],
             )
+            if scalars is not None:
+                self._insert_scalars(row.step, scalars)
+
+    def _insert_scalars(self, step: int, scalars: dict[str, int | float]) -> None:
+        """Inside :meth:`commit_step`'s transaction: the step's scalars, and where recording
+        began (the first step after every step committed before, at the first such commit)."""
+        self.conn.execute(
+            "INSERT OR IGNORE INTO meta SELECT ?, CAST(MAX(COALESCE(MAX(step) + 1, 0), ?) AS TEXT)"
+            " FROM steps WHERE step <> ?", (SCALARS_FROM, step, step))
+        self.conn.executemany("INSERT INTO scalars VALUES (?, ?, ?)",
+                              [(step, name, value) for name, value in scalars.items()])
 
     def delete_steps(self, steps: list[int]) -> None:
         with self.conn:
@@ -263,6 +300,34 @@ class Index:
             (name,),
         )
 
+    def has_scalars(self) -> bool:
+        """Whether the index has the ``scalars`` table (an index written before it has none)."""
+        return bool(self._read("SELECT 1 FROM sqlite_master WHERE type='table' AND name='scalars'"))
+
+    def scalars_from(self) -> int | None:
+        """The step from which every committed step has its scalars in the index; None
+        when no step has them (no commit recorded any)."""
+        if not self.has_scalars():
+            return None
+        value = self.meta(SCALARS_FROM)
+        try:
+            return int(value) if value is not None else None
+        except ValueError:
+            raise CorruptionError(f"the index {self.path} is damaged: {SCALARS_FROM} is {value!r}, "
+                                  f"not a step (rebuild it with: datastates-hist repair {self.run_dir})") from None
+
+    def scalar_rows(self) -> list[tuple]:
+        """``(step, name, value)`` of every scalar recorded, by step (value None: NaN)."""
+        if not self.has_scalars():
+            return []
+        return self._read("SELECT step, name, value FROM scalars ORDER BY step, rowid")
+
+    def scalar_steps(self) -> list[int]:
+        """The committed steps with at least one scalar row."""
+        if not self.has_scalars():
+            return []
+        return [r[0] for r in self._read("SELECT DISTINCT step FROM scalars ORDER BY step")]
+
     def tensor_names(self) -> list[str]:
         return [r[0] for r in self._read("SELECT DISTINCT name FROM tensors ORDER BY name")]
 
@@ -285,6 +350,8 @@ def unit_suffixes(step: int, backend: str) -> tuple[str, ...]:
     """The suffixes the unit of ``step`` written by ``backend`` may have: the
     backend's (one file or folder) or ``.ranks`` (a folder of one file per rank);
     none for a registered backend that declares no suffix of its own."""
+    from .backends import get_backend
+
     try:
         suffix = get_backend(backend).suffix
     except ValueError as exc:  # an unknown backend name: the row is not one a writer made

@@ -9,12 +9,10 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
-from .dtypes import storage_dtype, torch_dtype
+if TYPE_CHECKING:  # torch is imported where tensors are made, not by readers of the index
+    import torch
 
 MAX_DIM = 2 ** 63 - 1  # numpy's dimensions are signed 64-bit
 
@@ -132,6 +130,8 @@ class TensorRecord:
             if (what == "shape" or dims is not None) and not _is_dims(dims):
                 raise ValueError(f"tensor {name!r} has {what} {_shown(dims)}: each dimension must be an "
                                  "integer from 0 to 2**63-1")
+        from .dtypes import storage_dtype, torch_dtype
+
         try:
             itemsize = storage_dtype(torch_dtype(self.dtype)).itemsize
         except TypeError:
@@ -168,6 +168,8 @@ def tiling_problem(shape: tuple[int, ...], blocks: list[dict]) -> str | None:
     every element of ``shape`` exactly once, or None when they tile it."""
     total = math.prod(shape)
     if len(shape) and len(blocks) > 1:
+        import numpy as np  # here: readers of the index alone do not load it
+
         lo = np.array([b["start"] for b in blocks], dtype=object if total >= 2**62 else np.int64)
         hi = lo + np.array([b["count"] for b in blocks], dtype=lo.dtype)
         nonempty = np.all(hi > lo, axis=1)

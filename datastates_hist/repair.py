@@ -13,10 +13,15 @@ values. So a damaged or lost ``index.sqlite`` can be rebuilt:
    yet, so a repair killed here leaves the run as it was;
 3. fsync the new index (one file: its journal mode is DELETE, no ``-wal``),
    move units that cannot be committed to ``RUN/damaged/``, move the old
-   index (and its ``-wal``/``-shm`` files) aside as
-   ``index.sqlite.damaged-<time>``, rename the new one into place and fsync
-   the run folder. Killed between the last two renames, the run has no index,
-   and writers refuse it until the next repair.
+   index aside, rename the new one into place and fsync the run folder.
+   Killed between the last two renames, the run has no index, and writers
+   refuse it until the next repair.
+
+A damaged old index is kept for inspection as ``index.sqlite.damaged-<time>``
+(with its ``-wal`` and ``-shm`` files, as they were). A healthy one, rebuilt on
+request (``force``), is kept as one file, ``index.sqlite.previous``, its WAL
+folded in first; the next such repair replaces it, so repeated repairs leave
+no clutter.
 
 The new index's ``created`` time is that of the repair, after every unit it
 names was written: a later writer refuses to delete a finished unit the index
@@ -51,6 +56,9 @@ from .items import TensorRecord
 from .layout import (DAMAGED_DIR, MAX_STEP, RANKS_SUFFIX, REBUILDING_DIR, finished_units, index_path, rank_file,
                      steps_dir, take_writer_lock)
 from .store import StepData
+
+PREVIOUS_INDEX_SUFFIX = ".previous"  # the healthy index a forced repair replaced: RUN/index.sqlite.previous
+_SQLITE_FILES = ("", "-wal", "-shm")  # an SQLite database's main file and its WAL files, by suffix
 
 
 @dataclass
@@ -139,7 +147,7 @@ def repair_run(run_dir: str, force: bool = False, verify: bool = True) -> Repair
             new_index, report.steps, bad = _build_aside(run_dir, old_times, verify)  # the run is unchanged so far
             for unit, why in bad:
                 _set_aside(run_dir, unit, why, report)
-            report.moved_index = _swap_in(run_dir, new_index)
+            report.moved_index = _swap_in(run_dir, new_index, healthy=diagnosis is None)
             with_data = {_step_of(u) for u in finished_units(run_dir) + list(report.set_aside)} - {None}
             report.lost = sorted(set(old_times) - with_data)
         report.leftover_removed = leftover_removed
@@ -232,18 +240,24 @@ def _commit_units(run_dir: str, index: Index, units: list[str], backends, old_ti
     return sorted(seen), bad
 
 
-def _swap_in(run_dir: str, new_index: str) -> str | None:
+def _swap_in(run_dir: str, new_index: str, healthy: bool) -> str | None:
     """Move the old index aside and rename ``new_index`` into place (durably);
     where the old index went. The old main file goes first: until the new one is
     in place the run has no index (writers refuse it), never the old file
     without its ``-wal`` (steps committed in the WAL would look uncommitted)."""
     path = index_path(run_dir)
     aside = None
-    if os.path.exists(path):
+    if os.path.exists(path) and healthy:
+        _fold_wal(path)
+        aside = path + PREVIOUS_INDEX_SUFFIX
+        for side in _SQLITE_FILES:
+            if os.path.lexists(aside + side):
+                os.remove(aside + side)
+    elif os.path.exists(path):
         aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
-        while any(os.path.lexists(aside + side) for side in ("", "-wal", "-shm")):
+        while any(os.path.lexists(aside + side) for side in _SQLITE_FILES):
             aside += "x"
-    for side in ("", "-wal", "-shm"):
+    for side in _SQLITE_FILES:
         if os.path.lexists(path + side):
             if aside is None:
                 os.remove(path + side)  # the WAL files of a lost index: it must not replay into the new one
@@ -252,6 +266,20 @@ def _swap_in(run_dir: str, new_index: str) -> str | None:
     rename_into_place(new_index, path)
     os.rmdir(os.path.dirname(new_index))
     return aside
+
+
+def _fold_wal(path: str) -> None:
+    """Turn a healthy index into one file (its WAL written into the main file,
+    no ``-wal`` or ``-shm``) so that the copy kept of it travels alone. While a
+    reader has it open this cannot be done: then its files move as they are."""
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=0)
+        try:
+            conn.execute("PRAGMA journal_mode=DELETE")
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        pass
 
 
 # --- reading one unit -----------------------------------------------------------------------

@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from .backends import get_backend
 from .index import Index, unit_path
-from .layout import steps_dir
+from .layout import steps_dir, unit_bytes
 
 
 @dataclass(frozen=True)
@@ -66,6 +65,17 @@ def doomed(steps: list[int], rules: Iterable) -> list[int]:
     return [s for s in steps if s not in kept]
 
 
+def step_bytes(run_dir: str, index: Index, steps: list[int]) -> dict[int, int]:
+    """step -> the bytes its data takes on disk (what removing it frees), for
+    the committed ones of ``steps``.
+
+    Raises:
+        CorruptionError: a row names data outside ``steps/`` or a symbolic link.
+    """
+    rows = [r for r in (index.step_row(s) for s in steps) if r is not None]
+    return {r.step: unit_bytes(unit_path(run_dir, r)) for r in rows}
+
+
 def remove_steps(run_dir: str, index: Index, steps: list[int]) -> list[int]:
     """Delete committed steps: index rows first (atomically), then their data.
 
@@ -73,6 +83,8 @@ def remove_steps(run_dir: str, index: Index, steps: list[int]) -> list[int]:
         CorruptionError: a row names data outside ``steps/`` or a symbolic link;
             then nothing is deleted.
     """
+    from .backends import get_backend
+
     rows = [r for r in (index.step_row(s) for s in steps) if r is not None]
     for row in rows:
         unit_path(run_dir, row)  # every row, before anything is deleted

@@ -1,13 +1,15 @@
 """The ``datastates`` xarray engine: a run opened with ``xr.open_dataset``.
 
 ``xr.open_dataset(run, engine="datastates")`` gives every tensor of the run as a
-lazy variable over ``step`` (:func:`.xarray_views.open_history_dataset`). xarray
+lazy variable over ``step``, and every scalar (loss, lr) as a variable over ``step``
+(:func:`.xarray_views.open_history_dataset`, which says how they are named). xarray
 finds this engine through the ``xarray.backends`` entry point; ``import
 datastates_hist`` does not import this module, nor xarray.
 
 Example:
     >>> ds = xr.open_dataset("runs/gpt", engine="datastates", chunks={})
-    >>> ds["blocks.0.qkv.weight"].isel(step=-1)[:4].values
+    >>> ds["model.blocks.0.qkv.weight"].isel(step=-1)[:4].values
+    >>> ds["extra.data.loss"].to_pandas()
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .xarray_views import open_history_dataset
 class DatastatesBackendEntrypoint(BackendEntrypoint):
     """``xr.open_dataset(run_dir, engine="datastates", names=..., steps=...)``."""
 
-    description = "Open a datastates-hist run: every tensor as a lazy variable over `step`"
+    description = "Open a datastates-hist run: every tensor and scalar as a variable over `step`"
     url = ""  # no public home page yet; the format is in docs/format.md
     open_dataset_parameters = ("filename_or_obj", "drop_variables", "names", "steps")
 

@@ -9,6 +9,13 @@ variable over ``step`` (:func:`open_history_dataset`). Both read through
 Every function takes an open :class:`~datastates_hist.history.History` as
 ``history``; this module does not import it, since ``History.to_xarray`` imports
 this module (when called: ``import datastates_hist`` imports no xarray).
+
+Names in a dataset (docs/format.md): a variable is named by the stored name with
+``/`` replaced by ``.`` (``model.blocks.0.attn.weight``, ``optim.state.blocks.0.attn.weight.exp_avg``,
+``extra.data.loss``), and its ``long_name`` attribute holds the stored name; axis
+``i`` of length ``n`` of a tensor is the dimension ``dim{i}_{n}``, shared by every
+tensor with that length on that axis (a layer's weight, its bias and its optimizer
+state line up), never repeated within one variable.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from xarray.core import indexing
 
 from .dtypes import torch_dtype
 from .errors import ShapeChangeError, StepNotFoundError
-from .items import matches, short_name
+from .items import matches
+from .scalars import matches_scalar
 
 # Dtypes numpy lacks (bfloat16, float8) or that most numpy code handles poorly (float16).
 _WIDENED = {torch.bfloat16, torch.float16} | {
@@ -204,15 +212,31 @@ def _times(history, steps: list[int]) -> np.ndarray:
 def _variable(history, name: str, steps: list[int], dtype: str, shape: tuple,
               dims: tuple[str, ...]) -> xr.Variable:
     arr = TensorArray(history, name, steps, shape, dtype)
-    attrs = {"name": name, "dtype": dtype, "shape": list(shape)}
+    attrs = {"long_name": name, "dtype": dtype, "shape": list(shape)}
     # One step per chunk, the whole tensor otherwise: how each step stores it.
     encoding = {"preferred_chunks": dict(zip(dims, (1, *shape)))}
     return xr.Variable(dims, indexing.LazilyIndexedArray(arr), attrs=attrs, encoding=encoding)
 
 
 def _coords(history, steps: list[int]) -> dict:
+    time = xr.Variable("step", _times(history, steps), {"long_name": "commit wall time (UTC)"})
+    # float seconds: netCDF3 (to_netcdf's default without netCDF4) has no 64-bit integers
+    time.encoding = {"units": "seconds since 1970-01-01", "dtype": "float64"}
     return {"step": ("step", np.asarray(steps, dtype=np.int64), {"long_name": "training step"}),
-            "time": ("step", _times(history, steps), {"long_name": "commit wall time (UTC)"})}
+            "time": time}
+
+
+def scalar_dataarray(history, series: pd.Series, steps: Any = None) -> xr.DataArray:
+    """A scalar (``History.scalar``'s Series) over ``steps`` (as for :func:`tensor_dataarray`)
+    as a DataArray with dim ``step``."""
+    explicit = steps is not None and not isinstance(steps, slice)
+    chosen = select_steps(history, steps)
+    missing = [s for s in chosen if s not in series.index]
+    if missing and explicit:
+        raise KeyError(f"scalar {series.name!r} is not in steps {missing} of {history.path}")
+    chosen = [s for s in chosen if s in series.index]
+    return xr.DataArray(_scalar_variable(series.name, series.loc[chosen].to_numpy()),
+                        coords=_coords(history, chosen), name=series.name)
 
 
 def tensor_dataarray(history, full_name: str, steps: Any = None) -> xr.DataArray:
@@ -255,17 +279,39 @@ def tensor_dataarray(history, full_name: str, steps: Any = None) -> xr.DataArray
 
 
 def variable_name(full_name: str) -> str:
-    """A name safe for xarray and netCDF: ``model/`` dropped, ``/`` -> ``.``."""
-    return short_name(full_name).replace("/", ".")
+    """A name safe for xarray and netCDF: the stored name with ``/`` -> ``.`` (the group kept)."""
+    return full_name.replace("/", ".")
+
+
+def dimension_names(shape: tuple[int, ...]) -> tuple[str, ...]:
+    """``dim{axis}_{length}`` for each axis: shared by tensors of that length on that axis."""
+    return tuple(f"dim{i}_{n}" for i, n in enumerate(shape))
+
+
+def _free(name: str, variables: dict) -> str:
+    """``name``, or with ``_`` appended until no variable has it (two stored names mapped to one: both kept)."""
+    while name in variables:
+        name += "_"
+    return name
+
+
+def _scalar_variable(name: str, values: np.ndarray) -> xr.Variable:
+    var = xr.Variable("step", values, attrs={"long_name": name})
+    info = np.iinfo(np.int32)
+    if values.dtype.kind in "iu" and values.size and not (info.min <= values.min() and values.max() <= info.max):
+        var.encoding = {"dtype": "float64"}  # netCDF3 has no 64-bit integers (a token count, say)
+    return var
 
 
 def open_history_dataset(history, names: str | Iterable[str] | None = None,
                          steps: Any = None, drop_variables: Iterable[str] = ()) -> xr.Dataset:
-    """Every tensor of ``history`` (matching ``names``) as a lazy variable over ``steps``.
+    """Every tensor of ``history`` (matching ``names``) as a lazy variable over ``steps``,
+    and every scalar as a variable over ``step`` (NaN at a step that lacks it).
 
     Tensors whose shape or dtype changes, or that some of the steps lack, are
     left out, listed in ``attrs["inconsistent_shapes"]`` / ``attrs["partial_tensors"]``
-    and warned about: one array over ``step`` cannot hold them faithfully.
+    (stored names, one per line: netCDF attributes hold no lists of strings) and warned
+    about: one array over ``step`` cannot hold them faithfully.
     """
     patterns = [names] if isinstance(names, str) else (list(names) if names is not None else None)
     drop = set(drop_variables)
@@ -283,17 +329,19 @@ def open_history_dataset(history, names: str | Iterable[str] | None = None,
         if len(per_step) != len(chosen):
             partial.append(name)
             continue
-        while safe in variables:  # two stored names mapped to one: keep both
-            safe += "_"
         dtype, shape = next(iter(per_step.values()))
-        dims = ("step", *(f"{safe}.dim_{i}" for i in range(len(shape))))
-        variables[safe] = _variable(history, name, chosen, dtype, shape, dims)
+        variables[_free(safe, variables)] = _variable(history, name, chosen, dtype, shape, ("step", *dimension_names(shape)))
+    for name, values in history.scalars().reindex(chosen).items():
+        safe = variable_name(name)
+        if patterns is not None and not matches_scalar(name, patterns) or name in drop or safe in drop:
+            continue
+        variables[_free(safe, variables)] = _scalar_variable(name, values.to_numpy())
     if inconsistent:
         warnings.warn(f"{len(inconsistent)} tensors of {history.path} change shape or dtype across "
                       f"steps and are left out: " + " | ".join(details), stacklevel=4)
     if partial:
         warnings.warn(f"{len(partial)} tensors of {history.path} are missing from some of the steps "
                       f"and are left out: {', '.join(partial[:10])}", stacklevel=4)
-    attrs = {"run": os.path.abspath(history.path), "inconsistent_shapes": inconsistent,
-             "partial_tensors": partial}
+    attrs = {"run": os.path.abspath(history.path), "inconsistent_shapes": "\n".join(inconsistent),
+             "partial_tensors": "\n".join(partial)}
     return xr.Dataset(variables, coords=_coords(history, chosen), attrs=attrs)

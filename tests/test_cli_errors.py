@@ -13,7 +13,7 @@ import torch
 import datastates_hist as dh
 from datastates_hist.cli import EXIT_BUG, EXIT_IO, outcome
 from datastates_hist.cli.output import size
-from datastates_hist.store import Store
+from datastates_hist.layout import unit_bytes
 from test_bad_inputs import read_only
 
 
@@ -23,11 +23,9 @@ def cli(*args, stdout=subprocess.PIPE):
 
 
 def step_sizes(run_dir):
-    store = Store(run_dir)
-    try:
-        return [r.nbytes for r in store.index.step_rows()]
-    finally:
-        store.close()
+    """The bytes each step's data takes on disk (what deleting it frees), in step order."""
+    steps = os.path.join(run_dir, "steps")
+    return [unit_bytes(os.path.join(steps, unit)) for unit in sorted(os.listdir(steps))]
 
 
 def run_with_nan(run_dir):
@@ -86,12 +84,14 @@ def test_prune_dry_run_only_reads_a_read_only_run(tmp_path):
         committed_run(run)
         freeze()
         before = sorted(os.listdir(os.path.join(run, "steps")))
-        doomed_bytes = sum(step_sizes(run)[:2])
+        sizes = step_sizes(run)
         out = cli("prune", run, "--keep-last", "1", "--dry-run")
         assert out.returncode == 0 and out.stderr == ""
-        assert out.stdout == f"would delete 2 steps; 1 kept ({size(doomed_bytes)}: steps 0, 1)\n"
+        assert out.stdout == f"would delete 2 steps; 1 kept; would free {size(sizes[0] + sizes[1])} (steps 0, 1)\n"
         out = cli("prune", run, "--keep-last", "1", "--dry-run", "--json")
-        assert json.loads(out.stdout) == {"removed": [0, 1], "kept": [2], "bytes": doomed_bytes, "dry_run": True}
+        assert json.loads(out.stdout) == {"removed": [0, 1], "kept": [2], "bytes": sizes[0] + sizes[1],
+                                          "dry_run": True, "freed": [{"step": 0, "bytes": sizes[0]},
+                                                                     {"step": 1, "bytes": sizes[1]}]}
         out = cli("prune", run, "--keep-last", "1")
         assert out.returncode == EXIT_IO
         assert out.stderr == f"datastates-hist: the run directory {run} is not writable: read-only file system\n"
@@ -105,7 +105,8 @@ def test_prune_reports_bytes_it_deleted(run_dir):
     committed_run(run_dir, steps=(0, 1, 2, 3))
     sizes = step_sizes(run_dir)
     out = cli("prune", run_dir, "--keep-every", "2", "--json")
-    assert json.loads(out.stdout) == {"removed": [1], "kept": [0, 2, 3], "bytes": sizes[1], "dry_run": False}
+    assert json.loads(out.stdout) == {"removed": [1], "kept": [0, 2, 3], "bytes": sizes[1], "dry_run": False,
+                                      "freed": [{"step": 1, "bytes": sizes[1]}]}
 
 
 @pytest.mark.parametrize("args, code, message", [

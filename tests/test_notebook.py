@@ -1,5 +1,9 @@
-"""``examples/explore_history.ipynb`` runs top to bottom in a real Jupyter kernel."""
+"""``examples/explore_history.ipynb`` runs top to bottom in a real Jupyter kernel, as the
+README starts it: ``DH_RUN=runs/gpt jupyter lab examples/explore_history.ipynb`` from the
+directory holding the run, so the kernel's working directory is ``examples/`` while
+``DH_RUN`` is relative to the directory jupyter was started in (its ``PWD``)."""
 
+import base64
 import os
 import subprocess
 import sys
@@ -13,7 +17,8 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("xarray")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NOTEBOOK = os.path.join(ROOT, "examples", "explore_history.ipynb")
+EXAMPLES = os.path.join(ROOT, "examples")
+NOTEBOOK = os.path.join(EXAMPLES, "explore_history.ipynb")
 
 
 def kernel_name() -> str:
@@ -26,26 +31,54 @@ def kernel_name() -> str:
     return "python3"
 
 
-def test_explore_history_notebook_executes(tmp_path, monkeypatch):
-    run = str(tmp_path / "gpt")
-    subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--size", "tiny",
+@pytest.fixture(scope="module")
+def started_in(tmp_path_factory):
+    """A directory holding ``runs/gpt`` (12 steps of the example GPT), where jupyter is started."""
+    root = tmp_path_factory.mktemp("root")
+    subprocess.run([sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), "--size", "tiny",
                     "--steps", "12", "--block-size", "32", "--batch-size", "4",
-                    "--corpus-bytes", "1048576", "--run-dir", run],
+                    "--corpus-bytes", "1048576", "--run-dir", str(root / "runs" / "gpt")],
                    check=True, capture_output=True, timeout=300)
-    # the kernel inherits this environment: where the run is, and the package from this checkout
-    monkeypatch.setenv("DH_RUN", run)
+    return root
+
+
+def execute(monkeypatch, started: str, dh_run: str, cells: slice = slice(None)):
+    """Run ``cells`` of the notebook in a kernel started in ``examples/``, jupyter started in ``started``."""
+    # the kernel inherits this environment: the run, where jupyter started, the package from this checkout
+    monkeypatch.setenv("DH_RUN", dh_run)
+    monkeypatch.setenv("PWD", started)
     monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    nb.cells = nb.cells[cells]
     client = nbclient.NotebookClient(nb, kernel_name=kernel_name(), timeout=180,
-                                     resources={"metadata": {"path": str(tmp_path)}})
+                                     resources={"metadata": {"path": EXAMPLES}})
     client.execute()  # raises CellExecutionError, with the cell and traceback, if any cell raises
+    return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
 
-    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+
+def text_of(outputs) -> str:
+    return "\n".join(o.get("text", "") + o.get("data", {}).get("text/plain", "")
+                     + o.get("data", {}).get("text/html", "") for o in outputs)
+
+
+def test_notebook_executes_as_the_readme_says(started_in, monkeypatch):
+    outputs = execute(monkeypatch, str(started_in), "runs/gpt")
     assert not [o for o in outputs if o.output_type == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) >= 3  # norm trajectories, change heatmap, weight distributions
-    text = "\n".join(o.get("text", "") + o.get("data", {}).get("text/plain", "")
-                     + o.get("data", {}).get("text/html", "") for o in outputs)
-    assert f"{run}: 12 committed steps, 0..11" in text
+    assert len(images) >= 4  # loss beside a layer's norm, norm trajectories, change heatmap, distributions
+    if os.environ.get("DH_NOTEBOOK_FIGURES"):  # to look at the figures: a folder to write them to
+        for i, image in enumerate(images):
+            with open(os.path.join(os.environ["DH_NOTEBOOK_FIGURES"], f"figure{i}.png"), "wb") as f:
+                f.write(base64.b64decode(image["data"]["image/png"]))
+    text = text_of(outputs)
+    assert f"{started_in / 'runs' / 'gpt'}: 12 committed steps, 0..11" in text
+    assert "extra/data/loss" in text and "optim/param_groups/0/lr" in text  # the loss and lr table
     assert "rel_l2" in text and "blocks.0.qkv.weight" in text  # the diff table
+
+
+def test_notebook_opens_the_run_from_examples_too(started_in, monkeypatch):
+    # cd examples && DH_RUN=<relative path to the run> jupyter lab explore_history.ipynb
+    relative = os.path.relpath(started_in / "runs" / "gpt", EXAMPLES)
+    outputs = execute(monkeypatch, EXAMPLES, relative, cells=slice(0, 2))  # the introduction and the opening
+    assert f"{os.path.join(EXAMPLES, relative)}: 12 committed steps, 0..11" in text_of(outputs)

@@ -29,8 +29,8 @@ from datastates_hist.backends import get_backend
 from datastates_hist.commit import manifest_bytes
 from datastates_hist.durable import remove_tree
 from datastates_hist.index import Index
-from datastates_hist.layout import REBUILDING_DIR
-from datastates_hist.repair import repair_run
+from datastates_hist.layout import REBUILDING_DIR, index_path
+from datastates_hist.repair import PREVIOUS_INDEX_SUFFIX, repair_run
 from datastates_hist.verify import verify_run
 
 from test_distributed import launch, needs_mpi, restored_lines, trained
@@ -95,7 +95,7 @@ def _rows_in_side_index(run_dir: str) -> int:
 KILL_POINTS = {
     "the new index is begun": lambda run: os.path.exists(_side_index(run)),
     "ten steps are in the new index": lambda run: _rows_in_side_index(run) >= 10,
-    "the old index is moved aside": lambda run: any(f.startswith("index.sqlite.damaged-") for f in os.listdir(run)),
+    "the old index is moved aside": lambda run: os.path.exists(index_path(run) + PREVIOUS_INDEX_SUFFIX),
 }
 LAST_POINT = "the old index is moved aside"  # the repair's last act: it may end before the kill
 

@@ -90,7 +90,7 @@ def test_to_xarray_equals_numpy_across_steps(h, path):
     da = h.to_xarray("0.weight")
     want = stack(path, W, STEPS)
     assert da.dims == ("step", "dim_0", "dim_1") and da.shape == (12, 5, 4) and da.dtype == np.float32
-    assert da.name == W and da.attrs == {"name": W, "dtype": "float32", "shape": [5, 4]}
+    assert da.name == W and da.attrs == {"long_name": W, "dtype": "float32", "shape": [5, 4]}
     assert list(da["step"].values) == STEPS
     assert np.array_equal(da["time"].values, commit_times(path, STEPS))
     assert np.array_equal(da.values, want)
@@ -134,7 +134,7 @@ def test_only_the_selection_is_read(h, reads):
     reads.pop()  # the reference read just above
     assert reads == [("box", W, 3, (1, 2), (1, 1))]
     reads.clear()
-    ds["0.weight"].isel(step=[2, 9], **{"0.weight.dim_0": slice(1, 3)}).values
+    ds["model.0.weight"].isel(step=[2, 9], dim0_5=slice(1, 3)).values
     assert reads == [("box", W, 2, (1, 0), (2, 4)), ("box", W, 9, (1, 0), (2, 4))]
     reads.clear()
     # a whole step is read with its checksum checked
@@ -159,18 +159,27 @@ def test_open_dataset_variables_coords_and_attrs(path):
     with pytest.warns(UserWarning, match=r"extra/grow: \[1, 2\] float32 -> \[2, 2\] float32 at step 5"), \
             pytest.warns(UserWarning, match=r"missing from some of the steps and are left out: extra/late"):
         ds = xr.open_dataset(path, engine="datastates")
-    assert set(ds.data_vars) == {"0.weight", "0.bias", "2.weight", "2.bias", "extra.bf", "extra.count", "rng.torch",
+    # named by the stored name with "/" as "."; the optimizer's options are scalars over step
+    assert set(ds.data_vars) == {"model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias", "extra.bf",
+                                 "extra.count", "rng.torch",
                                  "optim.state.0.weight.momentum_buffer", "optim.state.0.bias.momentum_buffer",
-                                 "optim.state.2.weight.momentum_buffer", "optim.state.2.bias.momentum_buffer"}
-    assert ds.attrs["inconsistent_shapes"] == ["extra/grow"]
-    assert ds.attrs["partial_tensors"] == ["extra/late"]
+                                 "optim.state.2.weight.momentum_buffer", "optim.state.2.bias.momentum_buffer",
+                                 *(f"optim.param_groups.0.{k}" for k in ("lr", "momentum", "dampening", "weight_decay",
+                                                                         "nesterov", "maximize", "differentiable"))}
+    assert ds.attrs["inconsistent_shapes"] == "extra/grow"  # one name a line
+    assert ds.attrs["partial_tensors"] == "extra/late"
     assert list(ds["step"].values) == STEPS
     assert np.array_equal(ds["time"].values, commit_times(path, STEPS))
-    for var in ds.data_vars.values():
-        assert var.dims[0] == "step" and var.attrs["name"] in Store(path).index.tensor_names()
-    w = ds["0.weight"]
-    assert w.dims == ("step", "0.weight.dim_0", "0.weight.dim_1")
-    assert w.attrs == {"name": W, "dtype": "float32", "shape": [5, 4]}
+    with dh.open(path) as h:
+        stored = h.names() + h.scalar_names()
+    for name, var in ds.data_vars.items():
+        assert var.dims[0] == "step" and var.attrs["long_name"] in stored
+        assert name == var.attrs["long_name"].replace("/", ".")
+    w = ds["model.0.weight"]
+    assert w.dims == ("step", "dim0_5", "dim1_4")  # shared: axis 0 of length 5 is dim0_5 in every tensor
+    assert ds["optim.state.0.weight.momentum_buffer"].dims == w.dims and ds["model.0.bias"].dims == ("step", "dim0_5")
+    assert w.attrs == {"long_name": W, "dtype": "float32", "shape": [5, 4]}
+    assert ds["optim.param_groups.0.lr"].values.tolist() == [0.1] * 12
     assert np.array_equal(w.values, stack(path, W, STEPS))
     m = ds["optim.state.2.bias.momentum_buffer"]
     assert np.array_equal(m.isel(step=-1).values, stack(path, "optim/state/2.bias/momentum_buffer", [11])[0])
@@ -184,10 +193,10 @@ def test_open_dataset_variables_coords_and_attrs(path):
 
 def test_open_dataset_names_steps_and_drop(path):
     ds = xr.open_dataset(path, engine="datastates", names=["0.*", "extra/*"], steps=slice(6, 10),
-                         drop_variables=["0.bias"])
+                         drop_variables=["model.0.bias"])
     # in steps 6..9 "grow" has one shape and "late" exists throughout
-    assert set(ds.data_vars) == {"0.weight", "extra.bf", "extra.count", "extra.grow", "extra.late"}
-    assert ds.attrs["inconsistent_shapes"] == [] and ds.attrs["partial_tensors"] == []
+    assert set(ds.data_vars) == {"model.0.weight", "extra.bf", "extra.count", "extra.grow", "extra.late"}
+    assert ds.attrs["inconsistent_shapes"] == "" and ds.attrs["partial_tensors"] == ""
     assert list(ds.step.values) == [6, 7, 8, 9]
     assert np.array_equal(ds["extra.late"].values, stack(path, "extra/late", range(6, 10)))
     assert np.array_equal(ds["extra.grow"].values, stack(path, "extra/grow", range(6, 10)))
@@ -198,14 +207,14 @@ def test_dask_chunks_follow_the_steps(path, h):
     pytest.importorskip("dask")
     with pytest.warns(UserWarning):
         ds = xr.open_dataset(path, engine="datastates", chunks={})
-    w = ds["0.weight"]
+    w = ds["model.0.weight"]
     assert w.chunks == ((1,) * 12, (5,), (4,))
     want = stack(path, W, STEPS)
     assert np.allclose(w.mean("step").compute().values, want.mean(axis=0))
     assert np.array_equal(w.isel(step=slice(2, 8, 3)).values, want[2:8:3])
     ds.close()
     ds = xr.open_dataset(path, engine="datastates", names="0.weight", chunks={"step": 5})
-    assert ds["0.weight"].chunks[0] == (5, 5, 2)
+    assert ds["model.0.weight"].chunks[0] == (5, 5, 2)
     ds.close()
     da = h.to_xarray(W).chunk({"step": 4})
     assert np.array_equal(da.max("dim_0").values, want.max(axis=1))
@@ -241,3 +250,20 @@ def test_engine_is_registered_and_guesses_runs(path, tmp_path):
     entry = DatastatesBackendEntrypoint()
     assert entry.guess_can_open(path) and not entry.guess_can_open(str(tmp_path))
     assert not entry.guess_can_open(str(tmp_path / "missing.nc"))
+
+
+def test_a_selection_exports_to_netcdf_with_the_default_engine(path, tmp_path):
+    with pytest.warns(UserWarning):
+        ds = xr.open_dataset(path, engine="datastates")
+    part = ds[["model.0.weight", "extra.count", "optim.param_groups.0.lr"]].isel(step=slice(2, 8))
+    out = str(tmp_path / "part.nc")
+    part.to_netcdf(out)  # netCDF3 without netCDF4 installed: no 64-bit integers, times as float seconds
+    with xr.open_dataset(out) as back:
+        assert list(back.step.values) == STEPS[2:8]
+        assert np.array_equal(back["time"].values.astype("datetime64[ms]"),
+                              commit_times(path, STEPS[2:8]).astype("datetime64[ms]"))
+        assert np.array_equal(back["model.0.weight"].values, stack(path, W, STEPS[2:8]))
+        assert back["extra.count"].values.tolist() == [10 * s for s in STEPS[2:8]]
+        assert back["model.0.weight"].attrs["long_name"] == W
+        assert back["optim.param_groups.0.lr"].values.tolist() == [0.1] * 6
+    ds.close()

@@ -14,6 +14,8 @@ import os
 import sqlite3
 import sys
 
+import datastates_hist
+
 from ..errors import (
     CheckpointError, CorruptionError, FormatError, StepNotFoundError, StoreLockedError, StoreNotFoundError,
 )
@@ -50,12 +52,49 @@ def step_number(text: str) -> int:
     return step
 
 
+def step_choice(text: str) -> int:
+    """A step to read, given on the command line: a committed step, or ``latest``
+    or a negative number counting back from the newest (-1 the newest, -2 the one
+    before). Negative steps are resolved against the run by :func:`resolve_step`."""
+    if text == "latest":
+        return -1
+    back = text.removeprefix("-")
+    if back != text and back.isascii() and back.isdigit() and int(back) > 0:
+        return -int(back)
+    return step_number(text)
+
+
+def count(text: str) -> int:
+    """A count given on the command line: a whole number from 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (a whole number from 1)")
+    return n
+
+
+STEP_HELP = "a committed step; latest or -1 for the newest, -2 for the one before"
+
+
+def resolve_step(store, step: int) -> int:
+    """The committed step that ``step`` (from :func:`step_choice`) names in ``store``."""
+    if step < 0:
+        steps = store.steps()
+        if -step > len(steps):
+            store.row(step)  # raises StepNotFoundError, naming the committed steps
+        step = steps[step]
+    return step
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="datastates-hist",
         description="Look at, check and manage a datastates-hist training history.",
         epilog="exit codes: " + "; ".join(f"{code} {what}" for code, what in EXIT_CODES.items()),
     )
+    p.add_argument("--version", action="version", version=f"datastates-hist {datastates_hist.__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         module = importlib.import_module(f"{__name__}.{name}")

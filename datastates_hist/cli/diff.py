@@ -1,7 +1,12 @@
 """``datastates-hist diff``: how tensors changed between two steps, of one run or two runs.
 
-    datastates-hist diff RUN A B [--names GLOB] [--top N] [--sort METRIC]
+    datastates-hist diff RUN A B [--names GLOB] [--top N] [--sort METRIC] [--all]
     datastates-hist diff RUN_A:STEP RUN_B:STEP
+
+Tensors are ranked most changed first. Tensors of whole numbers only (an
+optimizer's ``step`` counters, BatchNorm's ``num_batches_tracked``, masks) change
+by design and say nothing of how the model moves: they are left out unless
+``--names`` or ``--all`` asks for them.
 """
 
 from __future__ import annotations
@@ -9,53 +14,75 @@ from __future__ import annotations
 import math
 from argparse import ArgumentTypeError
 
-from ..history import History
-from . import step_number
-from .output import add_json_flag, emit, num
+from . import count, resolve_step, step_choice
+from .output import add_json_flag, emit
 
 METRICS = ("l2", "rel_l2", "max_abs", "cosine", "frac_changed")
+# how each metric puts the most changed first: cosine is 1 for an unchanged direction
+MOST_CHANGED_FIRST = {"l2": -1, "rel_l2": -1, "max_abs": -1, "cosine": 1, "frac_changed": -1}
 
 
 def add_parser(sub):
     cmd = sub.add_parser("diff", help="compare the tensors of two steps",
-                         description="Compare RUN at steps A and B, or RUN_A:STEP with RUN_B:STEP.")
+                         description="Compare RUN at steps A and B, or RUN_A:STEP with RUN_B:STEP. "
+                                     "A step is a number, latest, or -1 for the newest, -2 for the one before.")
     cmd.add_argument("targets", nargs="+", metavar="RUN A B | RUN_A:STEP RUN_B:STEP")
     cmd.add_argument("--names", action="append", metavar="GLOB",
                      help="only tensors matching GLOB ('model/' may be left out); repeatable")
-    cmd.add_argument("--top", type=int, metavar="N", help="only the N tensors first in the sort")
+    cmd.add_argument("--top", type=count, metavar="N", help="only the N most changed tensors")
     cmd.add_argument("--sort", choices=METRICS, default="rel_l2",
-                     help="sort by this metric, largest first (default rel_l2)")
+                     help="rank by this metric, most changed first: largest first, "
+                          "cosine smallest first (default rel_l2)")
+    cmd.add_argument("--all", action="store_true",
+                     help="also tensors of whole numbers only (step counters, masks), "
+                          "left out unless --names selects them")
     add_json_flag(cmd)
     return cmd
 
 
 def parse_targets(targets: list[str]) -> tuple[str, int, str, int]:
-    """``RUN A B`` or ``RUN_A:STEP RUN_B:STEP`` -> (run_a, step_a, run_b, step_b)."""
+    """``RUN A B`` or ``RUN_A:STEP RUN_B:STEP`` -> (run_a, step_a, run_b, step_b);
+    steps as :func:`step_choice` gives them (negative: counted from the newest)."""
     try:
         if len(targets) == 3:
-            return targets[0], step_number(targets[1]), targets[0], step_number(targets[2])
+            return targets[0], step_choice(targets[1]), targets[0], step_choice(targets[2])
         if len(targets) == 2 and all(":" in t for t in targets):
             (ra, sa), (rb, sb) = (t.rsplit(":", 1) for t in targets)
-            return ra, step_number(sa), rb, step_number(sb)
+            return ra, step_choice(sa), rb, step_choice(sb)
     except ArgumentTypeError:
         pass
     raise ValueError(f"diff takes RUN A B or RUN_A:STEP RUN_B:STEP, got {' '.join(targets)}")
 
 
+def rank(df, metric: str):
+    """``df`` most changed first by ``metric``; rows where it is NaN (not compared) last."""
+    sign = MOST_CHANGED_FIRST[metric]
+    key = df[metric].map(lambda v: math.inf if v != v else sign * v)
+    return df.loc[key.sort_values(kind="stable").index]
+
+
 def run(args) -> int:
+    from ..history import History
+
     run_a, a, run_b, b = parse_targets(args.targets)
     with History(run_a) as ha:
+        a = resolve_step(ha.store, a)
         if run_b == run_a:
-            df = ha.diff(a, b, names=args.names)
+            df = ha.diff(a, resolve_step(ha.store, b), names=args.names)
         else:
             with History(run_b) as hb:
-                df = ha.diff(a, b, names=args.names, other=hb)
-    key = df[args.sort].map(lambda v: -math.inf if v != v else v)  # NaN last
-    df = df.loc[key.sort_values(ascending=False).index]
+                df = ha.diff(a, resolve_step(hb.store, b), names=args.names, other=hb)
+    if not (args.names or args.all):
+        df = df[~df["integral"]]
+    df = rank(df, args.sort)
     if args.top:
         df = df.head(args.top)
-    data = [{k: (list(v) if k == "shape" else v) for k, v in row.items()} for row in df.to_dict("records")]
-    rows = [[r["name"], "x".join(map(str, r["shape"])) or "()", *(num(r[m]) for m in METRICS), r["note"]]
-            for r in df.to_dict("records")]
-    emit(args, ["name", "shape", *METRICS, "note"], rows, data, left=("name", "note"))
+    records = df.to_dict("records")
+    data = [{k: (list(v) if k == "shape" else v) for k, v in row.items()} for row in records]
+    columns = ["name", "shape", *METRICS]
+    rows = [[r["name"], "x".join(map(str, r["shape"])) or "()", *(r[m] for m in METRICS)] for r in records]
+    if any(r["note"] for r in records):  # only shape changes have one: otherwise the names get the room
+        columns.append("note")
+        rows = [[*row, r["note"]] for row, r in zip(rows, records)]
+    emit(args, columns, rows, data, left=("name", "note"))
     return 0

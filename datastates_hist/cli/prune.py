@@ -4,50 +4,68 @@ Deletes the committed steps no rule keeps (never the newest): index rows first,
 so readers stop seeing them at once, then their data. Takes the run's writer
 lock: it refuses while a training process writes the run (that process can
 call ``Checkpointer.prune``). ``--dry-run`` only reads the index (no lock; a
-read-only run too) and prints the steps and bytes that would be deleted.
+read-only run too) and prints the steps that would be deleted and the bytes
+that would be freed (per step with ``--json``).
 """
 
 from __future__ import annotations
 
-from ..retention import doomed, policies
-from ..store import Store
+from ..retention import doomed, policies, step_bytes
+from . import count
+from .ls import open_index
 from .output import add_json_flag, emit, size
 
 
 def add_parser(sub):
     cmd = sub.add_parser("prune", help="delete steps that no retention rule keeps")
     cmd.add_argument("run", help="the run directory")
-    cmd.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest steps")
-    cmd.add_argument("--keep-every", type=int, metavar="K", help="keep every step divisible by K")
+    cmd.add_argument("--keep-last", type=count, metavar="N", help="keep the N newest steps")
+    cmd.add_argument("--keep-every", type=count, metavar="K", help="keep every step divisible by K")
     cmd.add_argument("--dry-run", action="store_true",
-                     help="only say what would be deleted (reads the run, read-only ones too)")
+                     help="only say what would be deleted and freed (reads the run, read-only ones too)")
     add_json_flag(cmd)
     return cmd
 
 
 def run(args) -> int:
+    if args.keep_last is None and args.keep_every is None:
+        raise ValueError("say what to keep: --keep-last N and/or --keep-every K")
     rules = policies(args.keep_last, args.keep_every)
-    store = Store(args.run)  # a clear error for a missing run, before anything is created
-    try:
-        sizes = {r.step: r.nbytes for r in store.index.step_rows()}
-    finally:
-        store.close()
+    index = open_index(args.run)  # a clear error for a missing run, before anything is created
     if args.dry_run:
-        removed = doomed(list(sizes), rules)
-        kept = sorted(set(sizes) - set(removed))
+        try:
+            committed = index.steps()
+            freed = step_bytes(args.run, index, doomed(committed, rules))
+        finally:
+            index.close()
+        removed, kept = sorted(freed), sorted(set(committed) - set(freed))
     else:
+        index.close()
         from ..checkpointer import Checkpointer
 
         with Checkpointer(args.run) as ckpt:
-            sizes = {r.step: r.nbytes for r in ckpt.index.step_rows()}  # as of taking the lock
+            freed = step_bytes(args.run, ckpt.index, doomed(ckpt.steps(), rules))  # as of taking the lock
             removed = ckpt.prune(args.keep_last, args.keep_every)
             kept = ckpt.steps()
-    nbytes = sum(sizes.get(s, 0) for s in removed)
-    data = {"removed": removed, "kept": kept, "bytes": nbytes, "dry_run": args.dry_run}
+    nbytes = sum(freed.get(s, 0) for s in removed)
     if args.json:
-        emit(args, [], [], data)
+        emit(args, [], [], {"removed": removed, "kept": kept, "bytes": nbytes, "dry_run": args.dry_run,
+                            "freed": [{"step": s, "bytes": freed.get(s, 0)} for s in removed]})
         return 0
-    verb = "would delete" if args.dry_run else "deleted"
-    listed = f" ({size(nbytes)}: steps {', '.join(map(str, removed))})" if removed else ""
+    verb, freeing = ("would delete", "would free") if args.dry_run else ("deleted", "freed")
+    listed = f"; {freeing} {size(nbytes)} (steps {_spans(removed, kept)})" if removed else ""
     print(f"{verb} {len(removed)} steps; {len(kept)} kept{listed}")
     return 0
+
+
+def _spans(removed: list[int], kept: list[int]) -> str:
+    """``removed`` as spans of three or more neighbouring committed steps and
+    single steps: ``1..4, 6, 7``."""
+    doomed_set, spans = set(removed), [[]]
+    for step in sorted(removed + kept):
+        if step in doomed_set:
+            spans[-1].append(step)
+        elif spans[-1]:
+            spans.append([])
+    shown = [f"{span[0]}..{span[-1]}" if len(span) > 2 else ", ".join(map(str, span)) for span in spans if span]
+    return ", ".join(shown)

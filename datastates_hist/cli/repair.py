@@ -2,19 +2,19 @@
 
 The new index is built aside and renamed into place, so a repair killed
 part-way leaves the run as it was (or, killed between the last renames,
-without an index until the next repair); the old index is moved aside
-(``index.sqlite.damaged-<time>``), never deleted; steps whose data is damaged
-are moved to ``RUN/damaged/``. To try such a unit again, move it back into
-``RUN/steps/`` and run repair again. Refuses while a writer holds the run.
-Exit 0 when the index is healthy or was rebuilt from every step unit, 1 when
-some unit could not be committed.
+without an index until the next repair); a damaged old index is moved aside
+(``index.sqlite.damaged-<time>``), never deleted, and a healthy one rebuilt with
+``--force`` is kept as ``index.sqlite.previous`` (one file, replaced by the next
+such repair); steps whose data is damaged are moved to ``RUN/damaged/``. To try
+such a unit again, move it back into ``RUN/steps/`` and run repair again.
+Refuses while a writer holds the run. Exit 0 when the index is healthy or was
+rebuilt from every step unit, 1 when some unit could not be committed.
 """
 
 from __future__ import annotations
 
 import os
 
-from ..repair import repair_run
 from . import EXIT_FAILED
 from .output import add_json_flag, emit
 
@@ -30,6 +30,8 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    from ..repair import PREVIOUS_INDEX_SUFFIX, repair_run
+
     report = repair_run(args.run, force=args.force, verify=args.verify)
     if args.json:
         emit(args, [], [], report.to_json())
@@ -38,7 +40,9 @@ def run(args) -> int:
     if report.leftover_removed:
         print("  removed the half-built index of an earlier repair that did not finish")
     if report.rebuilt:
-        if report.moved_index:
+        if report.moved_index and report.moved_index.endswith(PREVIOUS_INDEX_SUFFIX):
+            print(f"  the old index was kept as {report.moved_index} (the next repair --force replaces it)")
+        elif report.moved_index:
             print(f"  the old index was moved to {report.moved_index}")
         steps = report.steps
         span = f" ({steps[0]}..{steps[-1]})" if steps else ""

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import sys
 
-from ..store import Store
-from ..verify import verify_run
 from . import EXIT_FAILED, step_number
 from .output import add_json_flag, emit, size
 
@@ -24,6 +22,9 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    from ..store import Store
+    from ..verify import verify_run
+
     store = Store(args.run)
     try:
         rows = [store.row(s) for s in args.steps] if args.steps else store.index.step_rows()
