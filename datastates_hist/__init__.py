@@ -37,6 +37,9 @@ _HOMES = {
     "StateProvider": "providers",
     "StoredState": "providers",
     "register_provider": "providers",
+    "KeepLast": "retention",
+    "KeepEvery": "retention",
+    "Trajectory": "retention",
 }
 
 __all__ = sorted(_HOMES)

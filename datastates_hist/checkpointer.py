@@ -25,9 +25,11 @@ from .index import Index
 from .layout import MAX_STEP, finished_units, index_path, steps_dir, take_writer_lock
 from .pipeline import Pipeline, checkpoint_failed
 from .restore import Restored, restore_step
+from .retention import Retention, check_codec, check_policy, check_trajectory, key_every_count
 
 DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_PIECE_BYTES = 64 << 20
+DEFAULT_KEY_EVERY = 16
 
 
 class Checkpointer:
@@ -50,14 +52,34 @@ class Checkpointer:
             for which rank writes what.
         backend_options: options of the backend, such as ADIOS2 engine
             ``parameters={"NumAggregators": "2"}``.
+        keep: which restore points stay, as a policy (``dh.KeepLast(2) |
+            dh.KeepEvery(1000)``), applied after every commit; None (default):
+            every step stays a restore point.
+        trajectory: what a restore point that ``keep`` lets go keeps instead
+            (``dh.Trajectory("model/*", every=1)``): it stays as a trajectory
+            point, readable but not restorable. Without it, such steps go away.
+        codec: how tensors are stored: ``"delta"`` (default: compressed, as the
+            XOR with an earlier value where that value stays, see :mod:`deltas`),
+            ``"key"`` (each compressed alone) or ``"raw"``. Steps written by
+            several ranks are stored raw.
+        key_every: a delta chain is cut by a key every this many steps, so a read
+            decodes at most this many stored values.
     """
 
     def __init__(self, path: str | os.PathLike, *, backend: str | None = None,
                  model: Any = None, optimizer: Any = None,
                  host_cache_bytes: int = DEFAULT_CACHE_BYTES, piece_bytes: int = DEFAULT_PIECE_BYTES,
-                 refuse_nonfinite: bool = False, comm: Any = None, backend_options: dict | None = None):
+                 refuse_nonfinite: bool = False, comm: Any = None, backend_options: dict | None = None,
+                 keep: Any = None, trajectory: Any = None, codec: str = "delta",
+                 key_every: int = DEFAULT_KEY_EVERY):
         self.path = os.fspath(path)
+        self.retention = Retention(check_policy(keep), check_trajectory(trajectory))
+        self.codec = check_codec(codec)
+        self.key_every = key_every_count(key_every)
         self.group = as_group(comm)
+        if self.retention.trajectory is not None and self.group.size > 1:
+            raise ValueError("trajectory= is for runs written by one process; with several ranks, "
+                             "keep= alone removes the restore points it lets go")
         self._lock_fd = None
         self.index = None
         # rank 0 opens the run; every rank learns whether that worked
@@ -84,8 +106,10 @@ class Checkpointer:
         self.host_cache_bytes, self.piece_bytes = host_cache_bytes, piece_bytes
         self.refuse_nonfinite = refuse_nonfinite
         self._collector = Collector(self.group)
-        committer = Committer(self.path, self.backend, self.backend_name, self.group, self._collector.rng_prefix)
-        self._pipeline = Pipeline(committer, host_cache_bytes, piece_bytes, refuse_nonfinite)
+        committer = Committer(self.path, self.backend, self.backend_name, self.group, self._collector.rng_prefix,
+                              self.retention)
+        self._pipeline = Pipeline(committer, host_cache_bytes, piece_bytes, refuse_nonfinite, self.key_every)
+        self._trajectory_checked: tuple[str, ...] = ()
         self._last_step = self.index.latest()
         self._write_seconds = 0.0
         self.writes = 0
@@ -171,12 +195,22 @@ class Checkpointer:
                 f"steps only grow (to branch from an earlier step, call truncate(after=...) first)"
             )
         ckpt = self._collector.collect(step, model, optimizer, extra)
+        if self.group.size == 1:
+            self._check_trajectory(ckpt)
+            ckpt.plan = self.retention.step_plan(step, self.codec)
         if not (ckpt.tensors and ckpt.tensors[0].volatile):  # volatile ones come first
             ckpt.volatile_done.set()  # nothing for the next forward to wait for
         self._pipeline.wait_snapshot()  # the previous one's
         self._pipeline.submit(ckpt, model, optimizer)
         self._last_step = step
         self.writes += 1
+
+    def _check_trajectory(self, ckpt) -> None:
+        """A trajectory must name some tensor (checked when the names change)."""
+        names = tuple(t.name for t in ckpt.tensors)
+        if self.retention.trajectory is not None and names != self._trajectory_checked:
+            self.retention.trajectory.check_matches(list(names), ckpt.step)
+            self._trajectory_checked = names
 
     # --- waiting ------------------------------------------------------------------------
 
@@ -234,10 +268,8 @@ class Checkpointer:
         except TypeError:
             raise TypeError(f"truncate(after=...) needs a step number (int), got {after!r}") from None
         self.wait()
-        removed = self._on_root(
+        return self._removing(
             lambda: remove_steps(self.path, self.index, [s for s in self.index.steps() if s > after]))
-        self._last_step = self.index.latest()
-        return removed
 
     def prune(self, keep_last: int | None = None, keep_every: int | None = None,
               dry_run: bool = False) -> list[int]:
@@ -246,7 +278,20 @@ class Checkpointer:
 
         rules = policies(keep_last, keep_every)
         self.wait()
-        return self._on_root(lambda: prune_index(self.path, self.index, rules, dry_run))
+        if dry_run:
+            return self._on_root(lambda: prune_index(self.path, self.index, rules, dry_run))
+        return self._removing(lambda: prune_index(self.path, self.index, rules))
+
+    def _removing(self, change) -> list[int]:
+        """Run ``change`` (removing steps, on rank 0); no later step is encoded against what
+        it removed, even when it failed part-way (then nothing is built on what was there)."""
+        removed = None
+        try:
+            removed = self._on_root(change)
+            return removed
+        finally:
+            self._pipeline.removed(removed)
+            self._last_step = self.index.latest()
 
     def _on_root(self, change):
         """Run ``change`` (of the run's files and index) on rank 0; its result on every rank."""
@@ -300,7 +345,8 @@ def _check_index_exists(run_dir: str) -> None:
     finished = finished_units(run_dir)
     if finished:
         raise CorruptionError(
-            f"{run_dir} holds {len(finished)} step(s) of data but no index ({index_path(run_dir)} is "
+            f"{run_dir} holds {len({unit.partition('.')[0] for unit in finished})} step(s) of data but no index "
+            f"({index_path(run_dir)} is "
             f"missing); nothing was changed. Rebuild the index with: datastates-hist repair {run_dir}"
         )
 

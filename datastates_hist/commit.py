@@ -1,10 +1,15 @@
 """The commit protocol, in one place.
 
-1. The flusher has put every tensor of the step to the backend's writer.
+1. The flusher has put every tensor of the step to the backend's writer (two
+   writers for a restore point written as two units: its main unit, with the
+   trajectory's tensors, and its restore unit, with the others).
 2. ``writer.finish(manifest)`` writes the manifest (the step's records and
-   plain values), fsyncs every byte and renames the step's file into place.
+   plain values), fsyncs every byte and renames the step's file into place;
+   a restore unit first, its manifest's checksum recorded in the main one's.
 3. One SQLite transaction inserts the step's row, its tensor rows and its
    scalars (the numbers among its values, :mod:`.scalars`).
+4. With ``keep=`` policies, retention demotes or removes older steps
+   (:func:`.retention.apply_retention`).
 
 Only step 3 makes the step visible. A crash before it leaves data that no
 index row names; the next writer removes it (:func:`remove_uncommitted`),
@@ -25,6 +30,7 @@ import json
 import os
 import stat
 import time
+import warnings
 
 from .backends import StepWriter
 from .digest import checksum_bytes
@@ -32,7 +38,8 @@ from .durable import remove_tree
 from .errors import CorruptionError
 from .index import FORMAT_VERSION, Index, StepRow, check_location
 from .items import TensorRecord, under
-from .layout import PARTIAL, steps_dir
+from .layout import PARTIAL, restore_unit, steps_dir
+from .retention import Retention, apply_retention
 from .scalars import scalars_of
 from .sharding import merge_records
 
@@ -46,28 +53,58 @@ class Committer:
     rank's own (its RNG states); every other value is the same on every rank.
     """
 
-    def __init__(self, run_dir: str, backend, backend_name: str, group, own_prefix: str):
+    def __init__(self, run_dir: str, backend, backend_name: str, group, own_prefix: str,
+                 retention: Retention | None = None):
         self.run_dir, self.backend, self.backend_name = run_dir, backend, backend_name
         self.group, self.own_prefix = group, own_prefix
+        self.retention = retention or Retention()
         self.index: Index | None = None
+        self.removed: list[int] = []  # the steps retention removed after the last commit
 
-    def open_writer(self, step: int) -> StepWriter:
-        if self.group.size == 1:
-            return self.backend.begin_step(steps_dir(self.run_dir), step)
-        return self.backend.begin_step(steps_dir(self.run_dir), step, group=self.group)
+    def open_writers(self, ckpt) -> dict[str, StepWriter]:
+        """The writers of ``ckpt``'s units: ``{"": main}``, and ``"restore"`` for a
+        restore point written as two units."""
+        folder = steps_dir(self.run_dir)
+        if self.group.size > 1:
+            return {"": self.backend.begin_step(folder, ckpt.step, group=self.group)}
+        writers = {"": self.backend.begin_step(folder, ckpt.step)}
+        if ckpt.plan is not None and ckpt.plan.retention.split:
+            main = writers[""]
+            try:
+                writers["restore"] = self.backend.writer_at(
+                    os.path.join(folder, restore_unit(os.path.basename(main.final))), ckpt.step)
+            except BaseException:
+                main.abort()
+                raise
+        return writers
 
-    def commit(self, ckpt, writer: StepWriter | None, records: list[TensorRecord]) -> None:
+    def commit(self, ckpt, writers: dict[str, StepWriter], records: list[TensorRecord]) -> None:
         """Commit ``ckpt`` (a failed one is not committed; with several ranks every rank
-        still takes part, to agree on the outcome). Raises when the commit failed."""
+        still takes part, to agree on the outcome), then apply retention. Raises when
+        the commit failed."""
         if self.index is None and self.group.root:
             self.index = Index(self.run_dir, create=True)
         if self.group.size == 1:
             if ckpt.error is None:
-                commit_step(self.index, self.backend_name, ckpt.step, writer, records, ckpt.values)
+                commit_step(self.index, self.backend_name, ckpt.step, writers, records, ckpt.values)
+                self._apply_retention(ckpt.step)
             return
+        writer = writers.get("")
         own = {key: {k: v for k, v in ckpt.values.get(key, {}).items() if under(k, self.own_prefix)}
                for key in ("items", "objects")}
         commit_collective(self.group, self.index, self.backend_name, ckpt, writer, records, own)
+        if self.group.root:
+            self._apply_retention(ckpt.step)
+
+    def _apply_retention(self, step: int) -> None:
+        """Retention after the commit of ``step``; a failure keeps more steps than asked,
+        never fewer, and does not fail the step (it is committed): it is reported."""
+        self.removed = []
+        try:
+            self.removed = apply_retention(self.run_dir, self.index, self.retention)[1]
+        except Exception as exc:
+            warnings.warn(f"datastates-hist: retention after step {step} in {self.run_dir} failed, "
+                          f"older steps are kept: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=1)
 
     def close(self) -> None:
         if self.index is not None:
@@ -87,19 +124,35 @@ def manifest_bytes(step: int, records: list[TensorRecord], values: dict, **more)
     return json.dumps(doc, allow_nan=True, separators=(",", ":")).encode()
 
 
-def commit_step(index: Index, backend: str, step: int, writer: StepWriter,
+def commit_step(index: Index, backend: str, step: int, writers: dict[str, StepWriter],
                 records: list[TensorRecord], values: dict) -> StepRow:
-    manifest = manifest_bytes(step, records, values)
-    location = writer.finish(manifest)
-    return record_step(index, backend, step, location, records, manifest, scalars_of(values["items"]))
+    """Finish the step's units (the restore unit first) and commit the step."""
+    more, tier = {}, "full"
+    if "restore" in writers:
+        kept = [r for r in records if r.part == "restore"]
+        restore_manifest = manifest_bytes(step, kept, {"items": {}, "objects": {}}, unit="restore")
+        writers["restore"].finish(restore_manifest)
+        # the objects a trajectory point cannot restore: those with tensors in the restore unit
+        objects = sorted(p for p in values["objects"] if any(under(r.name, p) for r in kept))
+        more["restore_unit"] = {"manifest_checksum": checksum_bytes(restore_manifest), "objects": objects}
+        records = [r for r in records if r.part != "restore"] + kept  # the main unit's first
+        tier = "restore"
+    manifest = manifest_bytes(step, [r for r in records if r.part == ""], values, **more)
+    try:
+        location = writers[""].finish(manifest)
+    except BaseException:
+        if "restore" in writers:
+            remove_tree(writers["restore"].final)
+        raise
+    return record_step(index, backend, step, location, records, manifest, scalars_of(values["items"]), tier)
 
 
 def record_step(index: Index, backend: str, step: int, location: str,
                 records: list[TensorRecord], manifest: bytes,
-                scalars: dict[str, int | float] | None = None) -> StepRow:
+                scalars: dict[str, int | float] | None = None, tier: str = "full") -> StepRow:
     row = StepRow(
         step=step, time=time.time(), backend=backend, location=location,
-        nbytes=sum(r.nbytes for r in records), ntensors=len(records), tier="full",
+        nbytes=sum(r.nbytes for r in records), ntensors=len(records), tier=tier,
         manifest_checksum=checksum_bytes(manifest),
     )
     index.commit_step(row, records, scalars)  # one transaction: the step with its scalars
@@ -198,7 +251,11 @@ def remove_uncommitted(steps_dir: str, index: Index) -> list[str]:
     symbolic link is unlinked, never followed: its target is not the run's.
     """
     # a row naming other data (a damaged index) must not get its step's own unit deleted
-    committed = {check_location(index.run_dir, r) for r in index.step_rows()}
+    committed = set()
+    for row in index.step_rows():
+        committed.add(check_location(index.run_dir, row))
+        if row.tier == "restore":
+            committed.add(restore_unit(row.location))
     unnamed = [e for e in sorted(os.listdir(steps_dir)) if e not in committed]
     _refuse_units_older_than_index(index, steps_dir, unnamed)
     for entry in unnamed:

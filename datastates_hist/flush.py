@@ -1,8 +1,10 @@
 """The flush: move snapshot pieces from the host cache into a backend, then commit.
 
 Runs on its own thread. For each piece it updates the tensor's checksum and
-statistics (unless the snapshot did, for host tensors) and puts it to the step
-writer (by pointer, no copy). The cache
+statistics (unless the snapshot did, for host tensors) and either puts it to the
+step writer (by pointer, no copy) or, for a tensor to be encoded, compresses it
+(:mod:`.deltas`) and puts the tensor's encoded bytes once its last piece is in.
+A restore point written as two units has a writer for each. The cache
 space is given back after the writer has written it out: when the snapshot
 asks for space, or when the step is finished. At the end of a checkpoint,
 the committer (:mod:`commit`) makes the data durable and then records the step
@@ -18,7 +20,10 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
+
 from .cache import HostCache
+from .deltas import RAW, Anchors, Encoding
 from .digest import Digest
 from .dtypes import dtype_name, storage_dtype
 from .items import TensorRecord
@@ -30,9 +35,14 @@ class _Step:
 
     def __init__(self, ckpt: PendingCheckpoint):
         self.ckpt = ckpt
-        self.writer = None
+        self.writers: dict = {}  # unit ("" main, "restore") -> its StepWriter
         self.digests: dict[int, Digest] = {}
+        self.encodings: dict[int, Encoding] = {}
         self.records: list[TensorRecord] = []
+
+    def writer(self, index: int):
+        plan = self.ckpt.plan
+        return self.writers[plan.part(self.ckpt.tensors[index].name) if plan is not None else ""]
 
 
 class Flusher:
@@ -41,12 +51,13 @@ class Flusher:
     commit failed checkpoints too (it does not commit them): with several ranks, the
     ranks agree on every step's outcome."""
 
-    def __init__(self, cache: HostCache, committer, refuse_nonfinite: bool = False):
+    def __init__(self, cache: HostCache, committer, refuse_nonfinite: bool = False, key_every: int = 16):
         self.cache = cache
         self.refuse_nonfinite = refuse_nonfinite
         self.committer = committer
+        self.anchors = Anchors(key_every)
         self.inbox: queue.Queue[Message] = queue.Queue()
-        self.unwritten: list = []  # regions put to the writer, not yet written out
+        self.unwritten: list = []  # regions (and encoded bytes) put to the writers, not yet written out
         self.unwritten_bytes = 0
         self.flush_seconds = 0.0
         self.thread = threading.Thread(target=self._run, name="dh-flush", daemon=True)
@@ -70,7 +81,7 @@ class Flusher:
         match msg:
             case Begin(ckpt):
                 current = _Step(ckpt)
-                self._guard(current, lambda: setattr(current, "writer", self.committer.open_writer(ckpt.step)))
+                self._guard(current, lambda: current.writers.update(self.committer.open_writers(ckpt)))
             case Pieces(pieces):
                 for piece in pieces:
                     if current.ckpt.error is None:
@@ -80,8 +91,8 @@ class Flusher:
                         if piece.region is not None and piece.owner:
                             self.cache.free(piece.region)
             case NeedSpace():
-                if current is not None and current.writer is not None and current.ckpt.error is None:
-                    self._guard(current, current.writer.write_out)
+                if current is not None and current.ckpt.error is None:
+                    self._guard(current, lambda: self._write_out(current))
                 self._release()
             case End():
                 self._finish(current)
@@ -97,20 +108,46 @@ class Flusher:
     def _release(self) -> None:
         """Give back the regions already written out (or abandoned on failure)."""
         for region in self.unwritten:
-            self.cache.free(region)
+            if not isinstance(region, np.ndarray):  # encoded bytes are let go
+                self.cache.free(region)
         self.unwritten.clear()
         self.unwritten_bytes = 0
+
+    def _write_out(self, step: _Step) -> None:
+        for writer in step.writers.values():
+            writer.write_out()
+
+    def _hold(self, step: _Step, held, nbytes: int, writer) -> None:
+        """Keep ``held`` (a cache region or encoded bytes put to ``writer``) until written out."""
+        self.unwritten.append(held)
+        self.unwritten_bytes += nbytes
+        if self.unwritten_bytes * 4 >= self.cache.capacity and writer.write_out_early:
+            self._write_out(step)  # the snapshot fills the rest of the cache meanwhile
+            self._release()
+
+    def _begin_tensor(self, step: _Step, index: int, piece: Piece) -> None:
+        item = step.ckpt.tensors[index]
+        t = item.tensor
+        # a host tensor's digest comes with its pieces: the snapshot adds them as it copies
+        step.digests[index] = piece.digest or Digest()
+        nbytes = t.numel() * storage_dtype(t.dtype).itemsize
+        plan = step.ckpt.plan
+        if plan is not None and plan.codec != RAW and nbytes and item.global_shape is None:
+            step.encodings[index] = self.anchors.begin(
+                item.name, dtype_name(t.dtype), nbytes, step.ckpt.step, plan.may_delta(item.name), plan.anchor)
+            return  # defined once its encoded size is known
+        block = {} if item.global_shape is None else {"block": (item.global_shape, item.offset)}
+        step.writer(index).define(item.name, storage_dtype(t.dtype), tuple(t.shape), dtype_name(t.dtype), **block)
 
     def _put(self, step: _Step, piece: Piece) -> None:
         item = step.ckpt.tensors[piece.index]
         t = item.tensor
         sdtype = storage_dtype(t.dtype)
         if piece.index not in step.digests:
-            # a host tensor's digest comes with its pieces: the snapshot adds them as it copies
-            step.digests[piece.index] = piece.digest or Digest()
-            block = {} if item.global_shape is None else {"block": (item.global_shape, item.offset)}
-            step.writer.define(item.name, sdtype, tuple(t.shape), dtype_name(t.dtype), **block)
+            self._begin_tensor(step, piece.index, piece)
         digest = step.digests[piece.index]
+        encoding = step.encodings.get(piece.index)
+        writer = step.writer(piece.index)
         if piece.region is not None:
             if piece.copied is not None:
                 piece.copied.synchronize()
@@ -120,13 +157,12 @@ class Flusher:
             array = raw.view(sdtype).reshape(piece.count)
             if piece.digest is None:
                 digest.update(array, t.dtype)
-            step.writer.put(item.name, array, piece.start)
+            if encoding is not None:
+                encoding.add(raw.reshape(-1))
+            else:
+                writer.put(item.name, array, piece.start)
             if piece.owner:
-                self.unwritten.append(piece.region)
-                self.unwritten_bytes += piece.region.nbytes
-                if self.unwritten_bytes * 4 >= self.cache.capacity and step.writer.write_out_early:
-                    step.writer.write_out()  # the snapshot fills the rest of the cache meanwhile
-                    self._release()
+                self._hold(step, piece.region, piece.region.nbytes, writer)
         if piece.last:
             stats = digest.stats()
             if self.refuse_nonfinite and stats["nonfinite"]:
@@ -134,23 +170,43 @@ class Flusher:
                     f"tensor {item.name!r} holds {stats['nonfinite']} NaN or infinite value(s); "
                     "refused because refuse_nonfinite=True"
                 )
-            step.records.append(TensorRecord(
+            record = TensorRecord(
                 item.name, dtype_name(t.dtype), tuple(t.shape),
                 t.numel() * sdtype.itemsize, digest.checksum(), "raw", stats,
                 item.global_shape, item.offset,
-            ))
+                part=step.ckpt.plan.part(item.name) if step.ckpt.plan is not None else "",
+            )
+            if encoding is not None:
+                self._put_encoded(step, record, encoding, writer)
+            step.records.append(record)
+
+    def _put_encoded(self, step: _Step, record: TensorRecord, encoding: Encoding, writer) -> None:
+        blob, chunks, ratio = encoding.encoder.finish()
+        writer.define(record.name, np.dtype(np.uint8), (blob.size,), "uint8")
+        writer.put(record.name, blob, (0,))
+        self._hold(step, blob, blob.size, writer)
+        record.encoding, record.stored, record.chunks, record.update_ratio = encoding.kind, blob.size, chunks, ratio
+        if encoding.base is not None:
+            record.base = encoding.base.step
+        if encoding.base2 is not None:
+            record.base2 = encoding.base2.step
 
     def _finish(self, step: _Step) -> None:
         ckpt = step.ckpt
         try:
-            self.committer.commit(ckpt, step.writer, step.records)  # also on failure: ranks decide together
+            self.committer.commit(ckpt, step.writers, step.records)  # also on failure: ranks decide together
         except BaseException as exc:
             ckpt.fail(exc)
         finally:
-            if ckpt.error is not None and step.writer is not None:
-                try:
-                    step.writer.abort()
-                except BaseException:
-                    pass
+            if ckpt.error is not None:
+                self.anchors.forget()
+                for writer in step.writers.values():
+                    try:
+                        writer.abort()
+                    except BaseException:
+                        pass
+            else:
+                self.anchors.committed()
+                self.anchors.drop(self.committer.removed)  # by retention just now
             self._release()
             ckpt.done.set()

@@ -18,7 +18,7 @@ import torch
 
 from .dtypes import storage_torch_dtype
 from .errors import StepNotFoundError
-from .index import STAT_KEYS
+from .index import STAT_KEYS, TENSOR_STATS
 from .items import MODEL_PREFIX, matches
 from .scalars import close_names, matches_scalar, resolve_scalar, scalars_of
 from .store import StepData, Store
@@ -40,14 +40,22 @@ class History:
         """Committed steps, ascending (new commits appear as they happen)."""
         return self.store.steps()
 
+    @property
+    def restore_points(self) -> list[int]:
+        """The steps that restore the whole state (the others are trajectory points)."""
+        return self.store.restore_points()
+
     def tensors(self, step: int):
-        """A pandas DataFrame of the tensors of ``step``: name, shape, dtype, nbytes, statistics."""
+        """A pandas DataFrame of the tensors of ``step``: name, shape, dtype, nbytes, statistics,
+        and how each is stored (encoding, stored bytes, the update ratio of a delta)."""
         import pandas as pd
 
+        columns = ["name", "shape", "dtype", "nbytes", *STAT_KEYS, "encoding", "stored", "update_ratio"]
         rows = [{"name": r.name, "shape": tuple(r.shape), "dtype": r.dtype, "nbytes": r.nbytes,
-                 **{k: r.stats.get(k, math.nan) for k in STAT_KEYS}}
+                 **{k: r.stats.get(k, math.nan) for k in STAT_KEYS}, "encoding": r.encoding,
+                 "stored": r.stored_bytes, "update_ratio": math.nan if r.update_ratio is None else r.update_ratio}
                 for r in self.store.records(step)]
-        return pd.DataFrame(rows, columns=["name", "shape", "dtype", "nbytes", *STAT_KEYS])
+        return pd.DataFrame(rows, columns=columns)
 
     def names(self, step: int | None = None) -> list[str]:
         """Tensor names of ``step`` (default: of any step)."""
@@ -68,12 +76,14 @@ class History:
         raise KeyError(f"no tensor {name!r} in {where} of {self.path}{hint}")
 
     def stats(self, name: str):
-        """Per-step statistics of one tensor from the index, as a DataFrame indexed by step."""
+        """Per-step statistics of one tensor from the index, as a DataFrame indexed by step;
+        ``update_ratio`` is ||x - x_base|| / ||x_base|| where the step stores a delta against
+        ``x_base`` (the step before, when every step is kept), NaN elsewhere."""
         import pandas as pd
 
         full = self.resolve(name)
         rows = self.store.index.tensor_stats(full)
-        df = pd.DataFrame(rows, columns=["step", "time", *STAT_KEYS]).set_index("step")
+        df = pd.DataFrame(rows, columns=["step", "time", *TENSOR_STATS]).set_index("step")
         df.attrs["name"] = full
         return df
 
@@ -127,12 +137,15 @@ class History:
 
         ``names``: tensor names (``model/`` may be left out), scalar names or short
         forms (``loss``), or globs of either (``blocks.0.*``). An unknown name raises
-        ``KeyError`` naming it and the names closest to it.
+        ``KeyError`` naming it and the names closest to it. ``stat``: a statistic
+        of :meth:`stats` (norm, min, max, mean, std, nonfinite, update_ratio);
+        ``update_ratio`` is NaN at the steps that store a tensor as a key or raw.
         """
         import pandas as pd
 
-        if stat not in STAT_KEYS:
-            raise ValueError(f"unknown statistic {stat!r}; one of {', '.join(STAT_KEYS)}")
+        known = TENSOR_STATS
+        if stat not in known:
+            raise ValueError(f"unknown statistic {stat!r}; one of {', '.join(known)}")
         wanted = [names] if isinstance(names, str) else list(names)
         tensors = self.names()
         rows: list | None = None  # the scalars, read once and only if needed
@@ -200,9 +213,12 @@ class History:
 
     def step_data(self, step: int) -> StepData:
         """The open data of ``step`` (a few are kept open)."""
-        if step in self._open:
+        data = self._open.get(step)
+        if data is not None and self.store.index.step_row(step) == data.row:
             self._open.move_to_end(step)
-            return self._open[step]
+            return data
+        if data is not None:  # truncated and written again since it was opened
+            self._open.pop(step).close()
         data = self.store.open_step(step)
         self._open[step] = data
         while len(self._open) > self._max_open:

@@ -22,7 +22,7 @@ from .errors import CorruptionError, FormatError, StoreNotFoundError
 from .items import TensorRecord
 from .layout import INDEX_FILE, PARTIAL, RANKS_SUFFIX, entry_path, finished_units, index_path, step_stem, steps_dir
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -33,7 +33,7 @@ CREATE TABLE IF NOT EXISTS steps (
     location TEXT NOT NULL,        -- the step's file or folder, relative to steps/
     nbytes INTEGER NOT NULL,       -- tensor bytes of the step
     ntensors INTEGER NOT NULL,
-    tier TEXT NOT NULL DEFAULT 'full',   -- room for weights-only trajectory points
+    tier TEXT NOT NULL DEFAULT 'full',   -- full, restore (two units) or trajectory
     manifest_checksum TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS tensors (
@@ -43,8 +43,12 @@ CREATE TABLE IF NOT EXISTS tensors (
     shape TEXT NOT NULL,           -- JSON list
     nbytes INTEGER NOT NULL,
     checksum TEXT NOT NULL,        -- xxh3-64 of the stored bytes, hex
-    encoding TEXT NOT NULL DEFAULT 'raw',  -- room for keyframe/delta encodings
+    encoding TEXT NOT NULL DEFAULT 'raw',  -- raw, key or delta (codecs.py)
     norm REAL, min REAL, max REAL, mean REAL, std REAL, nonfinite INTEGER,
+    part TEXT NOT NULL DEFAULT '',   -- '' the step's main unit, 'restore' its restore unit
+    stored INTEGER,                  -- bytes stored, when encoded
+    base INTEGER,                    -- the step a delta is encoded against
+    update_ratio REAL,               -- ||x - base|| / ||base|| of a delta of floats
     PRIMARY KEY (step, name)
 );
 CREATE TABLE IF NOT EXISTS scalars (
@@ -69,7 +73,14 @@ _COLUMNS = {
 # Tables an index written by an earlier version lacks: checked when present.
 _GROWN_COLUMNS = {"scalars": ("step", "name", "value")}
 
+# Columns of ``tensors`` added in version 2 (an index of version 1 lacks them: a writer
+# adds them, a reader reads their defaults), with what a row without them means.
+_TENSOR_V2 = (("part", "TEXT NOT NULL DEFAULT ''", "''"), ("stored", "INTEGER", "NULL"),
+              ("base", "INTEGER", "NULL"), ("update_ratio", "REAL", "NULL"))
+
 STAT_KEYS = ("norm", "min", "max", "mean", "std", "nonfinite")
+# the per-step statistics of a tensor in the index: its summary, and a delta's update ratio
+TENSOR_STATS = (*STAT_KEYS, "update_ratio")
 
 
 @dataclass
@@ -129,6 +140,9 @@ class Index:
             self._check_format(run_dir)
             if create and not empty:
                 self._grow_schema()
+            self._tensor_columns = {r[1] for r in self.conn.execute("PRAGMA table_info(tensors)")}
+            self._v2_columns = ", ".join(c if c in self._tensor_columns else default
+                                         for c, _, default in _TENSOR_V2)
         except sqlite3.DatabaseError as exc:
             self.close()
             raise self._error(exc) from exc
@@ -174,6 +188,12 @@ class Index:
         appending to an older run); its rows are not rewritten."""
         with self.conn:
             self.conn.executescript("BEGIN;" + SCHEMA)
+            found = {r[1] for r in self.conn.execute("PRAGMA table_info(tensors)")}
+            for column, declaration, _ in _TENSOR_V2:
+                if column not in found:
+                    self.conn.execute(f"ALTER TABLE tensors ADD COLUMN {column} {declaration}")
+            self.conn.execute("UPDATE meta SET value=? WHERE key='format_version' AND CAST(value AS INTEGER) < ?",
+                              (str(FORMAT_VERSION), FORMAT_VERSION))
 
     def _check_format(self, run_dir: str) -> None:
         # quick_check walks every page once (about 0.1 s for 1000 steps of 300
@@ -232,9 +252,10 @@ class Index:
                  row.tier, row.manifest_checksum),
             )
             self.conn.executemany(
-                "INSERT INTO tensors VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO tensors VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [(row.step, r.name, r.dtype, json.dumps(list(r.shape)), r.nbytes, r.checksum,
-                  r.encoding, *(r.stats.get(k) for k in STAT_KEYS)) for r in records],
+                  r.encoding, *(r.stats.get(k) for k in STAT_KEYS), r.part, r.stored, r.base,
+                  r.update_ratio) for r in records],
             )
             if scalars is not None:
                 self._insert_scalars(row.step, scalars)
@@ -247,6 +268,35 @@ class Index:
             " FROM steps WHERE step <> ?", (SCALARS_FROM, step, step))
         self.conn.executemany("INSERT INTO scalars VALUES (?, ?, ?)",
                               [(step, name, value) for name, value in scalars.items()])
+
+    def demote_step(self, step: int) -> None:
+        """Make restore point ``step`` a trajectory point: one transaction drops the rows
+        of its restore unit's tensors and says what is left."""
+        with self.conn:
+            self.conn.execute("DELETE FROM tensors WHERE step=? AND part='restore'", (step,))
+            self.conn.execute(
+                "UPDATE steps SET tier='trajectory', nbytes=(SELECT COALESCE(SUM(nbytes), 0) FROM tensors"
+                " WHERE step=?), ntensors=(SELECT COUNT(*) FROM tensors WHERE step=?) WHERE step=?",
+                (step, step, step))
+
+    def restore_rows(self) -> list[StepRow]:
+        """The rows of the restore points (every step that is not a trajectory point)."""
+        return [StepRow(*r) for r in self._read("SELECT * FROM steps WHERE tier <> 'trajectory' ORDER BY step")]
+
+    def delta_bases(self) -> list[tuple[int, int]]:
+        """``(step, base)`` for every step that holds a delta against ``base``."""
+        if "base" not in self._tensor_columns:
+            return []
+        return self._read("SELECT DISTINCT step, base FROM tensors WHERE base IS NOT NULL")
+
+    def stored_bytes(self) -> list[tuple[int, str, str, int, int]]:
+        """``(step, group, encoding, nbytes, stored)`` for every step: its tensors' bytes
+        summed by group (a name's first part with its ``/``: ``model/``, ``optim/``; ''
+        for a name without one) and encoding, as they are and as stored (``stored`` of
+        an encoded tensor, else ``nbytes``, as in an index of version 1)."""
+        stored = "COALESCE(stored, nbytes)" if "stored" in self._tensor_columns else "nbytes"
+        return self._read(f"SELECT step, substr(name, 1, instr(name, '/')), encoding, SUM(nbytes), SUM({stored})"
+                          " FROM tensors GROUP BY 1, 2, 3 ORDER BY 1, 2, 3")
 
     def delete_steps(self, steps: list[int]) -> None:
         with self.conn:
@@ -268,15 +318,16 @@ class Index:
     def records(self, step: int) -> list[TensorRecord]:
         rows = self._read(
             "SELECT name, dtype, shape, nbytes, checksum, encoding, norm, min, max, mean, std,"
-            " nonfinite FROM tensors WHERE step=? ORDER BY rowid", (step,)
+            f" nonfinite, {self._v2_columns} FROM tensors WHERE step=? ORDER BY rowid", (step,)
         )
         try:
             return [
                 TensorRecord.from_json({
                     "name": name, "dtype": dtype, "shape": json.loads(shape), "nbytes": nbytes,
                     "checksum": checksum, "encoding": encoding,
-                    "stats": {k: v for k, v in zip(STAT_KEYS, stats) if v is not None}})
-                for name, dtype, shape, nbytes, checksum, encoding, *stats in rows
+                    "stats": {k: v for k, v in zip(STAT_KEYS, stats) if v is not None},
+                    "part": part, "stored": stored, "base": base, "update_ratio": ratio}, indexed=True)
+                for name, dtype, shape, nbytes, checksum, encoding, *stats, part, stored, base, ratio in rows
             ]
         except ValueError as exc:  # a damaged or crafted row: named before its sizes are used
             raise CorruptionError(
@@ -293,9 +344,11 @@ class Index:
         return self._read("SELECT name, dtype, shape, nbytes, checksum FROM tensors WHERE step=?", (step,))
 
     def tensor_stats(self, name: str) -> list[tuple]:
-        """``(step, time, norm, min, max, mean, std, nonfinite)`` of tensor ``name`` at every step."""
+        """``(step, time, norm, min, max, mean, std, nonfinite, update_ratio)`` of tensor ``name``
+        at every step."""
+        ratio = "t.update_ratio" if "update_ratio" in self._tensor_columns else "NULL"
         return self._read(
-            "SELECT t.step, s.time, t.norm, t.min, t.max, t.mean, t.std, t.nonfinite"
+            f"SELECT t.step, s.time, t.norm, t.min, t.max, t.mean, t.std, t.nonfinite, {ratio}"
             " FROM tensors t JOIN steps s ON s.step = t.step WHERE t.name=? ORDER BY t.step",
             (name,),
         )

@@ -66,6 +66,12 @@ class ValueItem:
     value: Any
 
 
+# How a tensor is stored (section 6 of docs/format.md): its bytes as they are,
+# compressed alone, or compressed as the XOR with its value at an earlier step.
+ENCODINGS = ("raw", "key", "delta")
+PARTS = ("", "restore")
+
+
 @dataclass
 class TensorRecord:
     """What the store records of one tensor of one step (a manifest entry, an index row)."""
@@ -75,13 +81,19 @@ class TensorRecord:
     shape: tuple[int, ...]
     nbytes: int
     checksum: str = ""
-    encoding: str = "raw"  # room for delta encodings against earlier steps
+    encoding: str = "raw"  # raw, key or delta (ENCODINGS)
     stats: dict[str, float] = field(default_factory=dict)
     global_shape: tuple[int, ...] | None = None  # set when the tensor is a shard
     offset: tuple[int, ...] | None = None
     # a tensor written by several ranks: where each part lies, as
     # {"start", "count", "checksum", "part"} (part: the rank whose file holds it, or None)
     blocks: list[dict] | None = None
+    part: str = ""  # the unit of the step that holds it: "" the main one, "restore" the restore unit
+    stored: int | None = None  # an encoded tensor: the bytes stored
+    base: int | None = None  # a delta: the step it is encoded against
+    base2: int | None = None  # a delta extrapolated from two steps: the base's own base
+    chunks: list[list[int]] | None = None  # an encoded tensor: [[raw, stored, flag], ...] (codecs.py)
+    update_ratio: float | None = None  # a delta of floats: ||x - base|| / ||base||
 
     def to_json(self) -> dict:
         doc = {
@@ -93,12 +105,21 @@ class TensorRecord:
             doc["global_shape"], doc["offset"] = list(self.global_shape), list(self.offset)
         if self.blocks is not None:
             doc["blocks"] = self.blocks
+        for key in ("stored", "base", "base2", "chunks", "update_ratio"):
+            if getattr(self, key) is not None:
+                doc[key] = getattr(self, key)
         return doc
 
+    @property
+    def stored_bytes(self) -> int:
+        """The bytes the tensor takes in its unit."""
+        return self.nbytes if self.stored is None else self.stored
+
     @classmethod
-    def from_json(cls, data: dict) -> "TensorRecord":
-        """The record of a manifest entry, checked (see :meth:`check`): a manifest
-        may be damaged or crafted. Raises ValueError naming the tensor."""
+    def from_json(cls, data: dict, indexed: bool = False) -> "TensorRecord":
+        """The record of a manifest entry (or, ``indexed``, of an index row, which has no
+        chunk table), checked (see :meth:`check`): a manifest may be damaged or crafted.
+        Raises ValueError naming the tensor."""
         if not isinstance(data, dict):
             raise ValueError(f"a tensor entry is not a record: {str(data)[:80]!r}")
         try:
@@ -109,19 +130,23 @@ class TensorRecord:
                 global_shape=_tuple(data["global_shape"]) if "global_shape" in data else None,
                 offset=_tuple(data["offset"]) if "offset" in data else None,
                 blocks=data["blocks"] if "blocks" in data else None,
+                part=data.get("part") or "", stored=data.get("stored"), base=data.get("base"),
+                base2=data.get("base2"),
+                chunks=data.get("chunks"), update_ratio=data.get("update_ratio"),
             )
         except KeyError as exc:
             raise ValueError(f"the record of tensor {data.get('name')!r} has no {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
             raise ValueError(f"the record of tensor {data.get('name')!r} is malformed: {exc}") from None
-        rec.check()
+        rec.check(indexed)
         return rec
 
-    def check(self) -> None:
+    def check(self, indexed: bool = False) -> None:
         """Raise ValueError naming the tensor unless its declared sizes agree:
         dimensions are integers from 0 to 2**63-1, shape x the stored dtype's
-        itemsize is ``nbytes``, and blocks lie inside the shape and hold every
-        element once. Checked before anything is allocated for the tensor."""
+        itemsize is ``nbytes``, blocks lie inside the shape and hold every
+        element once, and an encoded tensor's chunks hold its bytes. Checked
+        before anything is allocated for the tensor."""
         name = self.name
         if not isinstance(name, str):
             raise ValueError(f"a tensor record is named {name!r}, not by a string")
@@ -140,11 +165,36 @@ class TensorRecord:
         if not _is_int(self.nbytes) or self.nbytes != expected:
             raise ValueError(f"tensor {name!r} declares shape {list(self.shape)} of {self.dtype}, which is "
                              f"{expected} bytes, but records {self.nbytes!r} bytes")
-        if self.encoding != "raw":
+        if self.encoding not in ENCODINGS:
             raise ValueError(f"tensor {name!r} has the encoding {self.encoding!r}, which this version "
-                             "does not write or read")
+                             f"does not read (it reads {', '.join(ENCODINGS)})")
+        if self.part not in PARTS:
+            raise ValueError(f"tensor {name!r} lies in the unit {self.part!r}, not one of {list(PARTS)}")
+        if self.encoding != "raw":
+            self._check_encoded(itemsize, indexed)
         if self.blocks is not None:
             self._check_blocks()
+
+    def _check_encoded(self, itemsize: int, indexed: bool) -> None:
+        name = self.name
+        if self.blocks is not None:
+            raise ValueError(f"tensor {name!r} is encoded ({self.encoding}) and in blocks: a writer "
+                             "encodes only whole tensors")
+        if not _is_int(self.stored) or self.stored < 0:
+            raise ValueError(f"tensor {name!r} is encoded but records {self.stored!r} stored bytes")
+        if (self.encoding == "delta") != _is_int(self.base) or (self.base is not None and self.base < 0):
+            raise ValueError(f"tensor {name!r} has the encoding {self.encoding!r} and the base {self.base!r}: "
+                             "a delta needs the step it is encoded against, a key none")
+        if self.base2 is not None and not (self.base is not None and _is_int(self.base2) and 0 <= self.base2 < self.base):
+            raise ValueError(f"tensor {name!r} has the bases {self.base!r} and {self.base2!r}: a second base "
+                             "must be a step before the first")
+        if not indexed:
+            from .codecs import check_chunks
+
+            try:
+                check_chunks(self.chunks, self.nbytes, self.stored, itemsize)
+            except ValueError as exc:
+                raise ValueError(f"tensor {name!r}: {exc}") from None
 
     def _check_blocks(self) -> None:
         if not isinstance(self.blocks, list):

@@ -31,6 +31,7 @@ DAMAGED_DIR = "damaged"
 REBUILDING_DIR = INDEX_FILE + ".rebuilding"  # repair builds the new index here, then renames it into place
 PARTIAL = ".partial"  # a unit being written; never committed
 RANKS_SUFFIX = ".ranks"  # a step's folder of one file per rank
+RESTORE_PART = ".restore"  # a restore point's second unit: what its trajectory point does not keep
 # The largest step: the index stores steps as SQLite INTEGER (signed 64-bit);
 # the name of a step's unit (step_stem) holds any of them.
 MAX_STEP = 2**63 - 1
@@ -47,6 +48,13 @@ def index_path(run_dir: str) -> str:
 def step_stem(step: int) -> str:
     """Zero-padded so that listings sort by step."""
     return f"{step:012d}"
+
+
+def restore_unit(location: str) -> str:
+    """The name of the restore unit beside the main unit ``location`` of a restore point
+    (``000000000012.bp`` -> ``000000000012.restore.bp``)."""
+    stem, dot, suffix = location.partition(".")
+    return stem + RESTORE_PART + dot + suffix
 
 
 def rank_file(rank: int, suffix: str) -> str:

@@ -27,8 +27,10 @@ from .snapshot import PendingCheckpoint, Snapshotter
 class Pipeline:
     """Checkpoints in flight, from the snapshot to the commit."""
 
-    def __init__(self, committer: Committer, cache_bytes: int, piece_bytes: int, refuse_nonfinite: bool):
+    def __init__(self, committer: Committer, cache_bytes: int, piece_bytes: int, refuse_nonfinite: bool,
+                 key_every: int):
         self.committer = committer
+        self.key_every = key_every
         self.cache_bytes, self.piece_bytes = cache_bytes, piece_bytes
         self.refuse_nonfinite = refuse_nonfinite
         self.cache: HostCache | None = None
@@ -63,7 +65,7 @@ class Pipeline:
             return
         pin = torch.cuda.is_available() and any(t.tensor.is_cuda for t in ckpt.tensors)
         self.cache = HostCache(self.cache_bytes, pin=pin)
-        self._flusher = Flusher(self.cache, self.committer, self.refuse_nonfinite)
+        self._flusher = Flusher(self.cache, self.committer, self.refuse_nonfinite, self.key_every)
         self._snapshotter = Snapshotter(self.cache, self._flusher.inbox, self.piece_bytes)
 
     # --- waiting ------------------------------------------------------------------------
@@ -104,6 +106,16 @@ class Pipeline:
         t0 = time.perf_counter()
         self.wait_snapshot(volatile_only)
         self.hook_seconds += time.perf_counter() - t0
+
+    def removed(self, steps: list[int] | None) -> None:
+        """``steps`` were removed from the run (prune, truncate; after :meth:`wait`), or
+        None: a removal failed part-way. No later step may be encoded against them."""
+        if self._flusher is None:
+            return
+        if steps is None:  # the flusher is idle: every checkpoint is done
+            self._flusher.anchors.forget()
+        else:
+            self._flusher.anchors.drop(steps)
 
     def close(self) -> None:
         """Remove the hooks and end the threads (after :meth:`wait`)."""

@@ -28,13 +28,25 @@ names was written: a later writer refuses to delete a finished unit the index
 does not name and that is older than the index (see
 :func:`datastates_hist.commit.remove_uncommitted`).
 
+A step may have two units (format version 2): its main unit ``<step><suffix>``
+and a restore unit ``<step>.restore<suffix>`` (:func:`.layout.restore_unit`),
+whose manifest checksum the main unit's manifest records (``restore_unit``).
+Its row is a restore point (tier ``restore``, the tensors of both units) when
+both are intact; a trajectory point (``trajectory``, the main unit's tensors)
+when its restore unit is gone (a demotion cut short after the index changed,
+or a deleted unit) or cannot be committed; a main unit that names no restore
+unit is a ``full`` step. Units are read in step order: a tensor stored as a
+delta is decoded against its base (the same tensor at an earlier step), served
+from the units this repair has already accepted; a delta whose base step has
+no accepted unit makes its unit damaged.
+
 Units that cannot be committed (damaged, of a newer format, a second unit of
 the same step, a step number the index cannot hold, a symbolic link out of
-``steps/``) are moved to ``RUN/damaged/``, never deleted, so that a later
-writer does not remove them as uncommitted. To try one again (say, after a
-fix of the library), move it back into ``RUN/steps/`` and run repair again.
-``.partial`` units were never committed and are left for the next writer to
-remove.
+``steps/``, a restore unit without its intact main unit) are moved to
+``RUN/damaged/``, never deleted, so that a later writer does not remove them
+as uncommitted. To try one again (say, after a fix of the library), move it
+back into ``RUN/steps/`` and run repair again. ``.partial`` units were never
+committed and are left for the next writer to remove.
 """
 
 from __future__ import annotations
@@ -45,7 +57,9 @@ import shutil
 import sqlite3
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from .backends import backend_names, get_backend
 from .digest import checksum_bytes
@@ -53,9 +67,9 @@ from .durable import fsync_dir, fsync_path, remove_tree, rename_into_place
 from .errors import CorruptionError, FormatError, StoreNotFoundError
 from .index import FORMAT_VERSION, Index, StepRow
 from .items import TensorRecord
-from .layout import (DAMAGED_DIR, MAX_STEP, RANKS_SUFFIX, REBUILDING_DIR, finished_units, index_path, rank_file,
-                     steps_dir, take_writer_lock)
-from .store import StepData
+from .layout import (DAMAGED_DIR, MAX_STEP, RANKS_SUFFIX, REBUILDING_DIR, RESTORE_PART, finished_units, index_path,
+                     rank_file, restore_unit, steps_dir, take_writer_lock)
+from .store import DECODED_PER_TENSOR, StepData
 
 PREVIOUS_INDEX_SUFFIX = ".previous"  # the healthy index a forced repair replaced: RUN/index.sqlite.previous
 _SQLITE_FILES = ("", "-wal", "-shm")  # an SQLite database's main file and its WAL files, by suffix
@@ -103,7 +117,11 @@ def diagnose(run_dir: str) -> str | None:
             raise
         return str(exc)
     try:
-        named = {r.location for r in index.step_rows()}
+        named = set()
+        for row in index.step_rows():
+            named.add(row.location)
+            if row.tier == "restore":
+                named.add(restore_unit(row.location))
     except CorruptionError as exc:  # a row SQLite cannot read
         return str(exc)
     finally:
@@ -158,9 +176,26 @@ def repair_run(run_dir: str, force: bool = False, verify: bool = True) -> Repair
 
 
 def _step_of(unit: str) -> int | None:
-    """The step a unit's name (``<step><suffix>``) says, or None."""
-    stem = os.path.splitext(unit)[0]
+    """The step a unit's name (``<step><suffix>``, or ``<step>.restore<suffix>``) says, or None."""
+    stem = os.path.splitext(_main_of(unit) or unit)[0]
     return int(stem) if stem.isascii() and stem.isdigit() else None
+
+
+def _main_of(unit: str) -> str | None:
+    """The main unit whose restore unit ``unit`` is named as (``<step>.restore<suffix>``
+    -> ``<step><suffix>``), or None when ``unit`` is not so named (a main unit, or no step's)."""
+    stem, _, rest = unit.partition(".")
+    mark = RESTORE_PART[1:]
+    if not (stem.isascii() and stem.isdigit()) or (rest != mark and not rest.startswith(mark + ".")):
+        return None
+    main = stem + rest[len(mark):]
+    return main if restore_unit(main) == unit else None
+
+
+def _unit_order(unit: str) -> tuple:
+    """Units by step number (names without one last), so that delta bases come first."""
+    step = _step_of(unit)
+    return (step is None, step or 0, unit)
 
 
 def _in_damaged(run_dir: str) -> list[str]:
@@ -222,22 +257,41 @@ def _build_aside(run_dir: str, old_times: dict[int, float], verify: bool):
 
 def _commit_units(run_dir: str, index: Index, units: list[str], backends, old_times: dict[int, float],
                   verify: bool) -> tuple[list[int], list[tuple[str, str]]]:
+    """Commit each step whose main unit is intact, in step order (with its restore unit
+    when that is intact too); ``(the steps committed, [(unit, why) not committed]``."""
     bad: list[tuple[str, str]] = []
-    seen: set[int] = set()
-    for unit in units:
+    bases = _AcceptedUnits(run_dir)
+    restores = {main: unit for unit in units if (main := _main_of(unit)) is not None}
+    for unit in sorted((u for u in units if _main_of(u) is None), key=_unit_order):
+        restore = restores.pop(unit, None)
         try:
-            row, records = _read_unit(run_dir, unit, backends, old_times, verify)
+            row, records, restore_checksum = _read_unit(run_dir, unit, backends, old_times, verify, bases)
+            if row.step in bases.rows:
+                raise ValueError(f"a second unit of step {row.step}")
         except ImportError:
             raise  # a missing backend package says nothing about the data
         except Exception as exc:  # a damaged unit may fail in any way its library chooses
+            bases.reject()
             bad.append((unit, str(exc)))
+            if restore is not None:
+                bad.append((restore, f"a restore unit whose main unit {unit} cannot be committed"))
             continue
-        if row.step in seen:
-            bad.append((unit, f"a second unit of step {row.step}"))
-            continue
-        seen.add(row.step)
+        if restore is not None:
+            try:
+                if restore_checksum is None:
+                    raise ValueError(f"its main unit {unit} names no restore unit (a step of one unit)")
+                restored = _read_restore_unit(run_dir, row, restore, restore_checksum, verify, bases)
+                row = replace(row, tier="restore", nbytes=row.nbytes + sum(r.nbytes for r in restored),
+                              ntensors=row.ntensors + len(restored))
+                records += restored
+            except ImportError:
+                raise
+            except Exception as exc:
+                bad.append((restore, str(exc)))
+        bases.accept(row, records)
         index.commit_step(row, records)
-    return sorted(seen), bad
+    bad += [(unit, f"a restore unit whose main unit {main} is missing") for main, unit in restores.items()]
+    return sorted(bases.rows), bad
 
 
 def _swap_in(run_dir: str, new_index: str, healthy: bool) -> str | None:
@@ -320,9 +374,12 @@ def _backend_of(run_dir: str, unit: str, backends, strict: bool = True) -> str |
     raise ValueError(f"not a step unit (expected {expected})")
 
 
-def _read_unit(run_dir: str, unit: str, backends, old_times: dict[int, float],
-               verify: bool) -> tuple[StepRow, list[TensorRecord]]:
-    """The index row and records of one unit, from its manifest; raises if damaged."""
+def _read_unit(run_dir: str, unit: str, backends, old_times: dict[int, float], verify: bool,
+               bases: _AcceptedUnits) -> tuple[StepRow, list[TensorRecord], str | None]:
+    """The index row and records of a step's main unit, from its manifest, and the
+    checksum of its restore unit's manifest (None: the step has one unit); raises
+    if damaged. A main unit that names a restore unit is a trajectory point until
+    its restore unit is found intact."""
     _check_inside_steps(run_dir, unit)
     step = _step_of(unit)
     if step is None:
@@ -339,19 +396,132 @@ def _read_unit(run_dir: str, unit: str, backends, old_times: dict[int, float],
                               f"this datastates-hist writes up to {FORMAT_VERSION}")
         if doc["step"] != step:
             raise CorruptionError(f"its manifest is of step {doc['step']}, its name says {step}")
+        if doc.get("unit") == "restore":
+            raise ValueError("its manifest is a restore unit's, but it is named as a main unit")
+        restore_checksum = _restore_checksum(doc)
         records = [TensorRecord.from_json(r) for r in doc["tensors"]]
         row = StepRow(
             step=step, time=old_times.get(step, _mtime(run_dir, unit)), backend=backend,
             location=unit, nbytes=sum(r.nbytes for r in records), ntensors=len(records),
-            tier="full", manifest_checksum=checksum_bytes(raw),
+            tier="full" if restore_checksum is None else "trajectory", manifest_checksum=checksum_bytes(raw),
         )
-        data = StepData(run_dir, row, reader)
+        bases.check(step, records)
         if verify:
+            data = StepData(run_dir, row, reader, bases=bases)
             for name in data.records:
                 data.read(name)  # raises CorruptionError naming the tensor
-        return row, records
+        return row, records, restore_checksum
     finally:
         reader.close()
+
+
+def _restore_checksum(doc: dict) -> str | None:
+    """The checksum of the restore unit's manifest that a main unit's manifest records, if any."""
+    if "restore_unit" not in doc:
+        return None
+    named = doc["restore_unit"]
+    if not isinstance(named, dict) or not isinstance(named.get("manifest_checksum"), str):
+        raise ValueError(f"its manifest names its restore unit as {str(named)[:80]!r}, "
+                         "not {'manifest_checksum': ...}")
+    return named["manifest_checksum"]
+
+
+def _read_restore_unit(run_dir: str, row: StepRow, unit: str, checksum: str, verify: bool,
+                       bases: _AcceptedUnits) -> list[TensorRecord]:
+    """The records (``part`` 'restore') of the restore unit ``unit`` of main unit ``row``;
+    raises if it is not the one the main unit records, or is damaged."""
+    _check_inside_steps(run_dir, unit)
+    reader = get_backend(row.backend).open_step(steps_dir(run_dir), unit)
+    try:
+        if checksum_bytes(reader.manifest()) != checksum:
+            raise CorruptionError(f"its manifest does not match the checksum its main unit {row.location} "
+                                  "records (it is not the restore unit written with it, or it is damaged)")
+    finally:
+        reader.close()
+    with _open_step(run_dir, replace(row, tier="restore"), bases) as data:
+        records = [r for r in data.records.values() if r.part == "restore"]
+        bases.check(row.step, records)
+        if verify:
+            for rec in records:
+                data.read(rec.name)  # raises CorruptionError naming the tensor
+        return records
+
+
+def _open_step(run_dir: str, row: StepRow, bases: _AcceptedUnits) -> StepData:
+    """The data of ``row``, both units of a restore point; closing it closes their readers."""
+    backend = get_backend(row.backend)
+    readers = [backend.open_step(steps_dir(run_dir), row.location)]
+    try:
+        if row.tier == "restore":
+            readers.append(backend.open_step(steps_dir(run_dir), restore_unit(row.location)))
+        return StepData(run_dir, row, *readers, bases=bases)
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
+
+
+class _AcceptedUnits:
+    """The steps this repair has accepted so far, and the delta bases they serve
+    (a :class:`StepData`'s ``bases``): the newest decoded values of each tensor are
+    kept, as :class:`.store.Store` keeps them; an older base is read from its unit.
+    Values decoded while a unit is checked count once the unit is accepted."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+        self.rows: dict[int, StepRow] = {}
+        self._decoded: dict[str, dict[int, np.ndarray]] = {}  # name -> {step: stored bytes}, newest last
+        self._pending: dict[str, tuple[int, np.ndarray]] = {}  # of the unit being checked
+
+    def check(self, step: int, records: list[TensorRecord]) -> None:
+        """Raise unless every delta among ``records`` (of ``step``) has its base accepted."""
+        for rec in records:
+            for base in (rec.base, rec.base2):
+                if base is not None and (base >= step or base not in self.rows):
+                    raise CorruptionError(f"tensor {rec.name!r} is a delta against step {base}, which has no "
+                                          "intact unit before it (it is missing or damaged): it cannot be decoded")
+
+    def base(self, step: int, name: str, needed_by: int | None = None) -> np.ndarray:
+        """The stored bytes of tensor ``name`` at ``step``, from a unit accepted by this
+        repair (``needed_by``, the delta's step, is not needed: no writer runs meanwhile)."""
+        row = self.rows.get(step)
+        if row is None:
+            raise CorruptionError(f"a delta of tensor {name!r} is against step {step}, which has no intact unit")
+        cached = self._decoded.get(name, {}).get(step)
+        if cached is not None:
+            return cached
+        with _open_step(self.run_dir, row, self) as data:
+            if name not in data.records:
+                raise CorruptionError(f"a delta of tensor {name!r} is against step {step}, which has no such tensor")
+            value = data.stored(data.records[name])
+        self.remember(row, name, value)
+        return value
+
+    def remember(self, row: StepRow, name: str, value: np.ndarray) -> None:
+        if self.rows.get(row.step) is row:
+            self._keep(name, row.step, value)
+        else:
+            self._pending[name] = (row.step, value)
+
+    def _keep(self, name: str, step: int, value: np.ndarray) -> None:
+        values = self._decoded.setdefault(name, {})
+        values.pop(step, None)
+        values[step] = value
+        while len(values) > DECODED_PER_TENSOR:
+            del values[next(iter(values))]
+
+    def accept(self, row: StepRow, records: list[TensorRecord]) -> None:
+        """``row`` is committed with ``records``: their values decoded meanwhile count."""
+        self.rows[row.step] = row
+        for rec in records:
+            pending = self._pending.get(rec.name)
+            if pending is not None and pending[0] == row.step:
+                self._keep(rec.name, *pending)
+        self._pending.clear()
+
+    def reject(self) -> None:
+        """The unit being checked is not committed: forget what it decoded."""
+        self._pending.clear()
 
 
 def _check_inside_steps(run_dir: str, unit: str) -> None:

@@ -14,11 +14,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CorruptionError, RestoreMismatchError
+from .errors import CorruptionError, RestoreMismatchError, StepNotFoundError
 from .items import under
 from .providers import Problems, StoredState, provider_for, rebuild
 from .store import Store
-from .torch_providers import RNG, context_for, rng_prefix
+from .torch_providers import RNG, ModuleProvider, context_for, rng_prefix
 
 
 @dataclass
@@ -48,7 +48,13 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
                  strict: bool, rng: bool, extra: dict, rank: int = 0, world_size: int = 1) -> Restored:
     store = Store(run_dir)
     try:
-        step = store.latest() if step is None else step
+        step = store.latest_restore_point() if step is None else step
+        row = store.row(step)
+        if row.tier == "trajectory" and strict:
+            raise StepNotFoundError(
+                f"step {step} of {run_dir} is a trajectory point, not a restore point: it keeps "
+                f"{row.ntensors} tensor(s) to read, not the whole state. {store.nearest_restore_points(step)}; "
+                "restore(step, strict=False) loads what it has and lists the rest")
         with store.open_step(step) as data:
             items, objects = data.values["items"], data.values["objects"]
             ctx = context_for(model)
@@ -72,8 +78,12 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
                                    lambda rel, start, count: data.read_box(full(rel), start, count, verify=True))
 
             problems, checked = Problems(), {}
+            # a trajectory point lacks the objects whose tensors were in its restore unit; a
+            # model's provider names its missing tensors itself (the rest loads with strict=False)
+            gone = {p for p in data.restore_objects if objects.get(p) != ModuleProvider.kind
+                    } if data.row.tier == "trajectory" else set()
             for prefix, obj in targets.items():
-                if prefix not in objects:
+                if prefix not in objects or prefix in gone:
                     problems.missing.append(prefix)
                 else:
                     with _named_as_damage(prefix, step, run_dir):

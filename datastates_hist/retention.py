@@ -1,48 +1,186 @@
-"""Retention: which committed steps to keep, as small policy objects, and pruning.
+"""Retention: which committed steps to keep, and what each keeps, as small policy objects.
 
 Policies are data: ``KeepLast(10)`` keeps the ten newest steps, ``KeepEvery(100)``
-keeps every step divisible by 100. A step is kept when any policy keeps it; the
-newest committed step is always kept. Pruning checks every doomed row's
-location first (a damaged index refuses the whole prune, changing nothing),
-then deletes the index rows (one transaction: readers stop seeing those steps
-at once), then the step data.
+keeps every step divisible by 100, ``KeepLast(2) | KeepEvery(100)`` both. A step
+is kept when any policy keeps it; the newest committed step is always kept.
+
+A Checkpointer given ``keep=`` applies it to its restore points after every
+commit, on the flusher thread; given also ``trajectory=Trajectory(...)``, a
+restore point that ``keep`` lets go stays as a *trajectory point* (the tensors
+the trajectory names, in the step's main unit) when the step is on the
+trajectory's grid, and goes away otherwise. Nothing is removed that a kept
+step is encoded against (its delta base, :mod:`.deltas`).
+
+Removing checks every doomed row's location first (a damaged index refuses the
+whole change), then changes the index rows (one transaction: readers stop seeing
+those steps or tensors at once), then deletes the data.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import os
 from dataclasses import dataclass
 from typing import Iterable
 
-from .index import Index, unit_path
-from .layout import steps_dir, unit_bytes
+from .index import Index, StepRow, unit_path
+from .layout import restore_unit, steps_dir, unit_bytes
+
+
+def _count(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} needs a whole number >= 1, got {value!r}")
+    return value
+
+
+class Policy:
+    """A rule that keeps some of a list of steps; ``a | b`` keeps what either keeps."""
+
+    def keep(self, steps: list[int]) -> set[int]:
+        raise NotImplementedError
+
+    def __or__(self, other: "Policy") -> "KeepAny":
+        if not isinstance(other, Policy):
+            return NotImplemented
+        return KeepAny(_rules(self) + _rules(other))
+
+
+def _rules(policy: Policy) -> tuple:
+    return policy.rules if isinstance(policy, KeepAny) else (policy,)
 
 
 @dataclass(frozen=True)
-class KeepLast:
+class KeepLast(Policy):
     """Keep the ``n`` newest steps."""
 
     n: int
 
     def __post_init__(self):
-        if self.n < 1:
-            raise ValueError(f"KeepLast needs n >= 1, got {self.n}")
+        _count(self.n, "KeepLast")
 
     def keep(self, steps: list[int]) -> set[int]:
         return set(steps[-self.n:])
 
 
 @dataclass(frozen=True)
-class KeepEvery:
+class KeepEvery(Policy):
     """Keep every step that is a multiple of ``k``."""
 
     k: int
 
     def __post_init__(self):
-        if self.k < 1:
-            raise ValueError(f"KeepEvery needs k >= 1, got {self.k}")
+        _count(self.k, "KeepEvery")
 
     def keep(self, steps: list[int]) -> set[int]:
         return {s for s in steps if s % self.k == 0}
+
+
+@dataclass(frozen=True)
+class KeepAny(Policy):
+    """Keep what any of ``rules`` keeps (``KeepLast(2) | KeepEvery(100)``)."""
+
+    rules: tuple
+
+    def keep(self, steps: list[int]) -> set[int]:
+        kept: set[int] = set()
+        for rule in self.rules:
+            kept |= rule.keep(steps)
+        return kept
+
+
+def check_policy(keep) -> Policy | None:
+    """``keep`` if it is a policy (or None); a clear TypeError otherwise."""
+    if keep is None or isinstance(keep, Policy):
+        return keep
+    raise TypeError(f"keep= needs a retention policy such as dh.KeepLast(2) | dh.KeepEvery(1000), "
+                    f"got {keep!r}")
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """What a step keeps once it is no longer a restore point: the tensors whose
+    names match ``patterns`` (globs, as ``"model/*"``), on the steps divisible by
+    ``every``."""
+
+    patterns: tuple[str, ...] = ("model/*",)
+    every: int = 1
+
+    def __init__(self, *patterns: str, every: int = 1):
+        patterns = patterns or ("model/*",)
+        for p in patterns:
+            if not isinstance(p, str) or not p:
+                raise TypeError(f"Trajectory needs name patterns (strings such as 'model/*'), got {p!r}")
+        object.__setattr__(self, "patterns", tuple(patterns))
+        object.__setattr__(self, "every", _count(every, "Trajectory(every=...)"))
+
+    def holds(self, name: str) -> bool:
+        """Whether tensor ``name`` is part of the trajectory."""
+        return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+    def on_grid(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def check_matches(self, names: list[str], step: int) -> None:
+        """Refuse a trajectory that names no tensor of the step (a typo would keep nothing)."""
+        if not any(self.holds(n) for n in names):
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            raise ValueError(f"Trajectory({', '.join(map(repr, self.patterns))}) matches no tensor of step {step} "
+                             f"(its tensors: {shown})")
+
+
+def check_trajectory(trajectory) -> Trajectory | None:
+    if trajectory is None or isinstance(trajectory, Trajectory):
+        return trajectory
+    raise TypeError(f"trajectory= needs dh.Trajectory('model/*', every=1), got {trajectory!r}")
+
+
+@dataclass(frozen=True)
+class Retention:
+    """A Checkpointer's policies: which restore points stay (``keep``; None: all)
+    and what the others keep (``trajectory``; None: nothing, they go away)."""
+
+    keep: Policy | None = None
+    trajectory: Trajectory | None = None
+
+    @property
+    def split(self) -> bool:
+        """Whether restore points are written as two units (trajectory tensors, the rest)."""
+        return self.keep is not None and self.trajectory is not None
+
+    def anchor(self, step: int) -> bool:
+        """Whether ``step`` stays as long as the run: only such steps are delta bases."""
+        if self.keep is None:
+            return True
+        return self.trajectory is not None and self.trajectory.on_grid(step)
+
+    def may_delta(self, name: str) -> bool:
+        """Whether tensor ``name`` may be encoded against an anchor (it lives as long as one)."""
+        if self.keep is None:
+            return True
+        return self.trajectory is not None and self.trajectory.holds(name)
+
+    def step_plan(self, step: int, codec: str) -> "StepPlan":
+        return StepPlan(step, codec, self)
+
+    def let_go(self, rows: list[StepRow]) -> tuple[list[int], list[int]]:
+        """``(demote, remove)``: the restore points that ``keep`` lets go and become
+        trajectory points, and the steps that go away."""
+        if self.keep is None:
+            return [], []
+        tiers = {r.step: r.tier for r in rows if r.tier != "trajectory"}
+        restore = sorted(tiers)
+        kept = set(restore[-1:]) | self.keep.keep(restore)
+        demote, remove = [], []
+        for step in restore:
+            if step in kept:
+                continue
+            if self.trajectory is None or not self.trajectory.on_grid(step):
+                remove.append(step)
+            elif tiers[step] == "restore":
+                demote.append(step)
+            # a step of one unit on the grid (written without a trajectory) cannot drop its
+            # other tensors without a rewrite: it stays a restore point
+        return demote, remove
 
 
 def policies(keep_last: int | None = None, keep_every: int | None = None) -> list:
@@ -73,7 +211,44 @@ def step_bytes(run_dir: str, index: Index, steps: list[int]) -> dict[int, int]:
         CorruptionError: a row names data outside ``steps/`` or a symbolic link.
     """
     rows = [r for r in (index.step_row(s) for s in steps) if r is not None]
-    return {r.step: unit_bytes(unit_path(run_dir, r)) for r in rows}
+    return {r.step: unit_bytes(unit_path(run_dir, r)) + (
+        unit_bytes(os.path.join(steps_dir(run_dir), restore_unit(r.location))) if r.tier == "restore" else 0)
+        for r in rows}
+
+
+CODECS = ("delta", "key", "raw")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How one step is stored: in which unit each tensor goes, and how it is encoded
+    (``codec``: ``delta`` against an anchor where :mod:`.deltas` may, else ``key``:
+    compressed alone; or ``raw``)."""
+
+    step: int
+    codec: str
+    retention: Retention
+
+    @property
+    def anchor(self) -> bool:
+        return self.retention.anchor(self.step)
+
+    def part(self, name: str) -> str:
+        """The unit of tensor ``name``: "" the main one, "restore" the restore unit."""
+        return "restore" if self.retention.split and not self.retention.trajectory.holds(name) else ""
+
+    def may_delta(self, name: str) -> bool:
+        return self.codec == "delta" and self.retention.may_delta(name)
+
+
+def key_every_count(key_every) -> int:
+    return _count(key_every, "key_every")
+
+
+def check_codec(codec) -> str:
+    if codec not in CODECS:
+        raise ValueError(f"codec= must be one of {', '.join(map(repr, CODECS))}, got {codec!r}")
+    return codec
 
 
 def remove_steps(run_dir: str, index: Index, steps: list[int]) -> list[int]:
@@ -90,13 +265,59 @@ def remove_steps(run_dir: str, index: Index, steps: list[int]) -> list[int]:
         unit_path(run_dir, row)  # every row, before anything is deleted
     index.delete_steps([r.step for r in rows])
     for row in rows:
-        get_backend(row.backend).remove_step(steps_dir(run_dir), row.location)
+        backend = get_backend(row.backend)
+        if row.tier == "restore":
+            backend.remove_step(steps_dir(run_dir), restore_unit(row.location))
+        backend.remove_step(steps_dir(run_dir), row.location)
     return [r.step for r in rows]
 
 
+def demote_steps(run_dir: str, index: Index, steps: list[int]) -> list[int]:
+    """Make restore points trajectory points: each step's index rows first (one
+    transaction: readers see it whole or demoted), then its restore unit."""
+    from .backends import get_backend
+
+    rows = [r for r in (index.step_row(s) for s in steps) if r is not None and r.tier == "restore"]
+    for row in rows:
+        unit_path(run_dir, row)
+        index.demote_step(row.step)
+        get_backend(row.backend).remove_step(steps_dir(run_dir), restore_unit(row.location))
+    return [r.step for r in rows]
+
+
+def protect_bases(index: Index, doomed_steps: list[int]) -> list[int]:
+    """``doomed_steps`` without the delta bases of the steps that stay (and their
+    bases in turn): removing one would leave a kept step undecodable."""
+    bases: dict[int, set[int]] = {}
+    for step, base in index.delta_bases():
+        bases.setdefault(step, set()).add(base)
+    doomed_set = set(doomed_steps)
+    frontier = [s for s in bases if s not in doomed_set]
+    needed: set[int] = set()
+    while frontier:
+        for base in bases.get(frontier.pop(), ()):
+            if base not in needed:
+                needed.add(base)
+                frontier.append(base)
+    return [s for s in doomed_steps if s not in needed]
+
+
+def apply_retention(run_dir: str, index: Index, retention: Retention) -> tuple[list[int], list[int]]:
+    """After a commit: demote and remove what ``retention`` lets go; ``(demoted, removed)``."""
+    demote, remove = retention.let_go(index.restore_rows())
+    if not (demote or remove):
+        return [], []
+    return demote_steps(run_dir, index, demote), remove_steps(run_dir, index, protect_bases(index, remove))
+
+
+def prunable(index: Index, rules: Iterable) -> list[int]:
+    """The steps no rule keeps, but the delta bases of the steps that stay."""
+    return protect_bases(index, doomed(index.steps(), rules))
+
+
 def prune_index(run_dir: str, index: Index, rules: Iterable, dry_run: bool = False) -> list[int]:
-    """Remove the steps no rule keeps."""
-    victims = doomed(index.steps(), rules)
+    """Remove the steps no rule keeps (but the delta bases of steps that stay)."""
+    victims = prunable(index, rules)
     if dry_run or not victims:
         return victims
     return remove_steps(run_dir, index, victims)

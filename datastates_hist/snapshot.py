@@ -44,6 +44,7 @@ class PendingCheckpoint:
     copied: Any = None  # CUDA event after all copies
     error: BaseException | None = None
     issued: float = field(default_factory=time.time)
+    plan: Any = None  # retention.StepPlan: in which unit each tensor goes, and how it is encoded
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:

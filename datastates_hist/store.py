@@ -11,6 +11,7 @@ import math
 import mmap
 import os
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -22,12 +23,16 @@ from .cache import aligned
 from .digest import checksum_bytes
 from .dtypes import dtype_name, storage_dtype, storage_torch_dtype, torch_dtype
 from .errors import CorruptionError, StepNotFoundError, StoreNotFoundError
+from .codecs import decode
 from .index import Index, StepRow, unit_path
 from .items import TensorRecord
-from .layout import steps_dir, unit_bytes
+from .layout import restore_unit, steps_dir, unit_bytes
 
 
 HUGE_PAGE = 2 << 20
+DECODED_PER_TENSOR = 3  # a delta needs its two bases; a third keeps a forward scan from re-reading
+OPEN_BASES = 20  # steps kept open for decoding chains
+DECODED_BYTES = 1 << 30  # decoded values kept for the deltas read next, in all
 PAGE = mmap.PAGESIZE
 
 
@@ -99,25 +104,31 @@ def _fault_in(array: np.ndarray) -> None:
     array.reshape(-1).view(np.uint8)[::PAGE] = 0
 
 
-class StepData:
-    """An open step: its records and plain values, and verified tensor reads."""
+class UnreadableBase(CorruptionError):
+    """A delta's base cannot be read (the base's own damage says why)."""
 
-    def __init__(self, run_dir: str, row: StepRow, reader: StepReader):
+
+class StepData:
+    """An open step: its records and plain values, and verified tensor reads.
+
+    ``restore_reader``: the reader of a restore point's restore unit. ``bases``:
+    where a delta's base is read (``bases.base(step, name, needed_by)`` -> its stored
+    bytes; ``needed_by``: the step of the delta) and decoded values are remembered
+    (``bases.remember(row, name, bytes)``): the :class:`Store` that opened the step."""
+
+    def __init__(self, run_dir: str, row: StepRow, reader: StepReader,
+                 restore_reader: StepReader | None = None, bases=None):
         self.run_dir, self.row, self.reader = run_dir, row, reader
-        try:
-            raw = reader.manifest()
-        except Exception as exc:
-            raise CorruptionError(
-                f"the manifest of step {row.step} in {run_dir} cannot be read: the step's data is damaged ({exc})"
-            ) from exc
-        if checksum_bytes(raw) != row.manifest_checksum:
-            raise CorruptionError(
-                f"the manifest of step {row.step} in {run_dir} does not match its checksum: "
-                "the step's data is damaged"
-            )
+        self.readers = {"": reader, "restore": restore_reader}
+        self._bases = bases
+        raw = self._manifest(reader, row.manifest_checksum, "")
         try:
             doc = json.loads(raw)
             self.records = {r.name: r for r in map(TensorRecord.from_json, doc["tensors"])}
+            if restore_reader is not None:
+                self._add_restore_unit(restore_reader, doc)
+            # the objects whose tensors lie (or lay) in the restore unit: a trajectory point lacks them
+            self.restore_objects: list[str] = list(doc.get("restore_unit", {}).get("objects", []))
             self.values: dict[str, Any] = doc["values"]
             if not (isinstance(self.values, dict) and isinstance(self.values.get("items"), dict)
                     and isinstance(self.values.get("objects"), dict)):
@@ -133,19 +144,47 @@ class StepData:
             raise CorruptionError(f"the manifest of step {row.step} in {run_dir} is damaged: {exc}") from None
         self._prefetched: dict[str, np.ndarray] = {}
 
+    def _manifest(self, reader: StepReader, checksum: str, unit: str) -> bytes:
+        what = f"the manifest of step {self.row.step}{unit} in {self.run_dir}"
+        try:
+            raw = reader.manifest()
+        except Exception as exc:
+            raise CorruptionError(f"{what} cannot be read: the step's data is damaged ({exc})") from exc
+        if checksum_bytes(raw) != checksum:
+            raise CorruptionError(f"{what} does not match its checksum: the step's data is damaged")
+        return raw
+
+    def _add_restore_unit(self, reader: StepReader, doc: dict) -> None:
+        """The restore unit's tensors, its manifest checked against the main one's record of it."""
+        unit = doc.get("restore_unit")
+        if not isinstance(unit, dict) or not isinstance(unit.get("manifest_checksum"), str):
+            raise ValueError("it is a restore point's but names no restore unit")
+        rest = json.loads(self._manifest(reader, unit["manifest_checksum"], " (its restore unit)"))
+        if rest.get("step") != self.row.step:
+            raise ValueError(f"its restore unit is of step {rest.get('step')!r}")
+        for rec in map(TensorRecord.from_json, rest["tensors"]):
+            if rec.name in self.records:
+                raise ValueError(f"tensor {rec.name!r} is in both of its units")
+            rec.part = "restore"
+            self.records[rec.name] = rec
+
     def _check_stored_bytes(self) -> None:
-        """Raw tensors are stored byte for byte: a record that declares more bytes
+        """A tensor's stored bytes lie in its unit: a record that declares more bytes
         than the unit holds is damaged, and is refused before memory is allocated for it."""
-        stored = unit_bytes(unit_path(self.run_dir, self.row))
-        declared = self.records.values()
-        for rec in declared:
-            if rec.nbytes > stored:
-                raise ValueError(f"tensor {rec.name!r} declares {rec.nbytes} bytes, more than the {stored} "
-                                 "bytes of the step's data")
-        total = sum(r.nbytes for r in declared)
-        if total > stored:
-            raise ValueError(f"its {len(declared)} tensors declare {total} bytes in all, more than the "
-                             f"{stored} bytes of the step's data")
+        main = unit_path(self.run_dir, self.row)
+        for part, path in (("", main), ("restore", os.path.join(os.path.dirname(main), restore_unit(self.row.location)))):
+            declared = [r for r in self.records.values() if r.part == part]
+            if not declared:
+                continue
+            stored = unit_bytes(path)
+            for rec in declared:
+                if rec.stored_bytes > stored:
+                    raise ValueError(f"tensor {rec.name!r} declares {rec.stored_bytes} bytes, more than the "
+                                     f"{stored} bytes of the step's data")
+            total = sum(r.stored_bytes for r in declared)
+            if total > stored:
+                raise ValueError(f"its {len(declared)} tensors declare {total} bytes in all, more than the "
+                                 f"{stored} bytes of the step's data")
 
     def read(self, name: str, verify: bool = True) -> torch.Tensor:
         """Tensor ``name`` in host memory, its checksum verified."""
@@ -160,17 +199,22 @@ class StepData:
         tensors to read straight into (contiguous, CPU, of the stored dtype and shape)."""
         into = into or {}
         wanted = [self.records[n] for n in names if n in self.records and n not in self._prefetched]
-        wanted = [r for r in wanted if r.blocks is None and math.prod(r.shape)]
+        # encoded tensors are decoded one by one (read()); raw ones come in one batch per unit
+        wanted = [r for r in wanted if r.blocks is None and math.prod(r.shape) and r.encoding == "raw"]
+        for part in {r.part for r in wanted}:
+            self._prefetch([r for r in wanted if r.part == part], into, self.readers[part])
+
+    def _prefetch(self, wanted: list[TensorRecord], into: dict, reader: StepReader) -> None:
         outs = [self._live_destination(r, into.get(r.name)) for r in wanted]
         fresh = fresh_arrays([(r.shape, storage_dtype(torch_dtype(r.dtype))) for r, o in zip(wanted, outs) if o is None])
         is_fresh = [o is None for o in outs]
         outs = [o if o is not None else next(fresh) for o in outs]
         requests = [(r.name, out, (0,) * len(r.shape)) for r, out in zip(wanted, outs)]
         try:
-            if self.reader.parallel_reads:
-                self.reader.read_many(requests)
+            if reader.parallel_reads:
+                reader.read_many(requests)
             else:
-                _read_while_faulting(self.reader, requests, is_fresh)
+                _read_while_faulting(reader, requests, is_fresh)
         except Exception as exc:
             raise CorruptionError(f"the tensors of step {self.row.step} in {self.run_dir} cannot be read: {exc}") from exc
         for rec, out in zip(wanted, outs):
@@ -204,7 +248,7 @@ class StepData:
         name = rec.name
         try:
             out = self._read(rec, start, count, verify)
-        except CorruptionError:
+        except (CorruptionError, StepNotFoundError):
             raise
         except Exception as exc:
             raise CorruptionError(
@@ -234,9 +278,13 @@ class StepData:
     def _read(self, rec: TensorRecord, start: tuple[int, ...], count: tuple[int, ...], verify: bool) -> np.ndarray:
         """The box's stored bytes, as an array of the storage dtype, assembled from its blocks."""
         sdtype = storage_dtype(torch_dtype(rec.dtype))
+        if rec.encoding != "raw" and math.prod(rec.shape):
+            whole = self.decoded(rec).view(sdtype).reshape(rec.shape)
+            return whole[tuple(slice(s, s + c) for s, c in zip(start, count)) + (...,)].copy()
         out = np.empty(count, dtype=sdtype)
         if not out.size:
             return out
+        reader = self.readers[rec.part]
         for b in self._blocks(rec):
             bstart, bcount = tuple(b["start"]), tuple(b["count"])
             common = overlap(start, count, bstart, bcount)
@@ -251,7 +299,7 @@ class StepData:
             first = bstart if data.shape == bcount else lo
             # blocks in a rank's own file are stored alone; in a shared file, in place
             where = tuple(f - s for f, s in zip(first, bstart)) if b.get("part") is not None else first
-            self.reader.read(rec.name, data, where, part=b.get("part"))
+            reader.read(rec.name, data, where, part=b.get("part"))
             if check:
                 self._check(rec, data, b["checksum"], "" if rec.blocks is None else f" (its block at {list(bstart)})")
             if data is not out:
@@ -260,8 +308,57 @@ class StepData:
                 out[dst] = data[src]
         return out
 
+    def stored(self, rec: TensorRecord) -> np.ndarray:
+        """The stored bytes of ``rec`` (1-D uint8, C order), checked against its checksum."""
+        if rec.encoding != "raw":
+            return self.decoded(rec)
+        return self._read(rec, (0,) * len(rec.shape), rec.shape, True).reshape(-1).view(np.uint8)
+
+    def decoded(self, rec: TensorRecord) -> np.ndarray:
+        """The stored bytes (1-D uint8) of encoded tensor ``rec``: its chunks read and
+        decompressed, added to the prediction from its bases for a delta, and checked
+        against its checksum (always: a part of a tensor decodes the whole of it anyway,
+        and a decoded value may become the base of others)."""
+        bases = [self._base(rec, step) for step in (rec.base, rec.base2) if step is not None]
+        try:
+            blob = np.empty(rec.stored, np.uint8)
+            out = np.empty(rec.nbytes, np.uint8)
+        except MemoryError:
+            raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} declares "
+                                  f"{rec.nbytes} bytes, more than this process can allocate") from None
+        if rec.stored:
+            self.readers[rec.part].read(rec.name, blob, (0,))
+        try:
+            decode(blob, rec.chunks, storage_dtype(torch_dtype(rec.dtype)).itemsize, out, *bases)
+        except ValueError as exc:
+            raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} cannot be "
+                                  f"decoded: {exc}: the stored data is damaged") from None
+        self._check(rec, out, rec.checksum)
+        if self._bases is not None:
+            self._bases.remember(self.row, rec.name, out)
+        return out
+
+    def _base(self, rec: TensorRecord, step: int) -> np.ndarray:
+        """The stored bytes of ``rec``'s tensor at ``step``, a base of its delta."""
+        what = f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} is a delta against step {step}"
+        if step >= self.row.step:
+            raise CorruptionError(f"{what}, which is not earlier: the step's data is damaged")
+        if self._bases is None:
+            raise CorruptionError(f"{what}, and this reader has no access to other steps")
+        try:
+            base = self._bases.base(step, rec.name, self.row.step)
+        except UnreadableBase:
+            raise  # said once, by the delta nearest the damage
+        except CorruptionError as exc:
+            raise UnreadableBase(f"{what}, which cannot be read: {exc}") from exc
+        if base.size != rec.nbytes:
+            raise CorruptionError(f"{what}, where it has {base.size} bytes, not {rec.nbytes}")
+        return base
+
     def close(self) -> None:
-        self.reader.close()
+        for reader in self.readers.values():
+            if reader is not None:
+                reader.close()
 
     def __enter__(self) -> "StepData":
         return self
@@ -278,6 +375,12 @@ class Store:
             raise StoreNotFoundError(f"no run at {run_dir}")
         self.run_dir = run_dir
         self.index = Index(run_dir)
+        # the newest decoded values of each tensor: reading step after step decodes each delta once
+        self._decoded: OrderedDict[tuple, np.ndarray] = OrderedDict()  # (name, (step, time)) -> bytes
+        self._decoded_bytes = 0
+        self._decoded_lock = threading.Lock()  # dask reads steps from several threads
+        self._base_steps: OrderedDict[tuple, StepData] = OrderedDict()
+        self._bases_lock = threading.RLock()  # a base's own bases are read inside
 
     def steps(self) -> list[int]:
         return self.index.steps()
@@ -296,19 +399,41 @@ class Store:
             raise StepNotFoundError(f"{self.run_dir} has no committed steps")
         return latest
 
+    def restore_points(self) -> list[int]:
+        return [r.step for r in self.index.restore_rows()]
+
+    def latest_restore_point(self) -> int:
+        points = self.restore_points()
+        if not points:
+            if not self.index.steps():
+                raise StepNotFoundError(f"{self.run_dir} has no committed steps")
+            raise StepNotFoundError(f"{self.run_dir} has no restore point: its steps are all trajectory points")
+        return points[-1]
+
+    def nearest_restore_points(self, step: int) -> str:
+        """Which restore points lie nearest ``step``, said in words."""
+        points = self.restore_points()
+        before = [p for p in points if p < step][-1:]
+        after = [p for p in points if p > step][:1]
+        if not points:
+            return "The run has no restore point"
+        return "The nearest restore point" + ("s: " if len(before + after) > 1 else ": ") + \
+            " and ".join(str(p) for p in before + after)
+
     def records(self, step: int) -> list[TensorRecord]:
         records = self.index.records(step)
         if not records:  # the step is not committed, or was pruned: its rows go in one transaction
             self.row(step)
         return records
 
-    def open_step(self, step: int, against_index: bool = True) -> StepData:
+    def open_step(self, step: int, against_index: bool = True, main_only: bool = False) -> StepData:
         """The data of a committed step. ``against_index``: refuse it unless its
         manifest records the same tensors as its index rows (``verify`` compares
-        them itself, to report every difference)."""
+        them itself, to report every difference). ``main_only``: a restore point's
+        main unit alone (without ``against_index``)."""
         row = self.row(step)
         try:
-            return self._open(row, against_index)
+            return self._open(row, against_index, main_only)
         except Exception as exc:
             # A writer may have pruned the step (or truncated and rewritten it)
             # between reading its row and opening its data: that is no damage.
@@ -318,26 +443,108 @@ class Store:
                     f"step {step} was removed from {self.run_dir} while it was being opened"
                 ) from exc
             if now != row:
-                return self._open(now, against_index)
+                return self._open(now, against_index, main_only)
             raise
 
-    def _open(self, row: StepRow, against_index: bool) -> StepData:
+    def _open(self, row: StepRow, against_index: bool, main_only: bool = False) -> StepData:
         unit_path(self.run_dir, row)  # refuses a location outside steps/ before anything is read
-        step, backend = row.step, get_backend(row.backend)
+        reader = self._open_unit(row, row.location)
+        restore_reader = None
         try:
-            reader = backend.open_step(steps_dir(self.run_dir), row.location)
-        except FileNotFoundError as exc:
-            raise CorruptionError(f"step {step} is committed in {self.run_dir} but its data is missing: {exc}") from exc
-        except Exception as exc:  # damaged files fail in whatever way their library chooses
-            raise CorruptionError(f"the data of step {step} in {self.run_dir} is damaged: {exc}") from exc
-        try:
-            data = StepData(self.run_dir, row, reader)
+            if row.tier == "restore" and not main_only:
+                restore_reader = self._open_unit(row, restore_unit(row.location))
+            data = StepData(self.run_dir, row, reader, restore_reader, self)
             if against_index:
                 self._check_records(data)
             return data
         except BaseException:
-            reader.close()
+            for r in (reader, restore_reader):
+                if r is not None:
+                    r.close()
             raise
+
+    def _open_unit(self, row: StepRow, location: str) -> StepReader:
+        step = row.step
+        try:
+            return get_backend(row.backend).open_step(steps_dir(self.run_dir), location)
+        except FileNotFoundError as exc:
+            raise CorruptionError(f"step {step} is committed in {self.run_dir} but its data is missing: {exc}") from exc
+        except Exception as exc:  # damaged files fail in whatever way their library chooses
+            raise CorruptionError(f"the data of step {step} in {self.run_dir} is damaged: {exc}") from exc
+
+    def base(self, step: int, name: str, needed_by: int | None = None) -> np.ndarray:
+        """The stored bytes of tensor ``name`` at ``step`` (a base of a delta at step
+        ``needed_by``), decoded once.
+
+        A chain is walked down to its key (or to a value decoded before), then decoded
+        forward, each value from the one before: no recursion, however long the chain.
+        The steps opened for bases (their main units: deltas are only ever taken of a
+        main unit's tensors) stay open, the newest :data:`OPEN_BASES`, until
+        :meth:`close`. Raises :class:`StepNotFoundError` when step ``needed_by`` was
+        removed meanwhile (with its bases), :class:`CorruptionError` when a base cannot
+        be read."""
+        try:
+            with self._bases_lock:  # one chain at a time: the open steps' readers are not shared
+                chain = []  # down from ``step`` to the first value that needs no other
+                while True:
+                    data, rec, cached = self._base_record(step, name)
+                    if cached is not None:
+                        break
+                    chain.append(step)
+                    if rec.base is None:
+                        break
+                    step = rec.base
+                for step in reversed(chain):  # each decodes against the values decoded just before
+                    data, rec, cached = self._base_record(step, name)
+                    cached = data.stored(rec)
+                    self.remember(data.row, name, cached)
+                return cached
+        except CorruptionError:
+            if needed_by is not None and self.index.step_row(needed_by) is None:
+                raise StepNotFoundError(f"step {needed_by} was removed from {self.run_dir} while it "
+                                        "was being read") from None
+            raise
+
+    def _base_record(self, step: int, name: str) -> tuple[StepData, TensorRecord | None, np.ndarray | None]:
+        """The open main unit of ``step``, the record of ``name`` in it, and its decoded
+        value if it is remembered (then the step is not opened: data and record None)."""
+        row = self.index.step_row(step)
+        if row is None:
+            raise CorruptionError(f"a delta of tensor {name!r} in {self.run_dir} is against step {step}, "
+                                  "which is not committed: the run is damaged")
+        key = (row.step, row.time)  # the same commit (a truncated run may have rewritten the step)
+        with self._decoded_lock:
+            cached = self._decoded.get((name, key))
+        if cached is not None:
+            return None, None, cached
+        data = self._base_steps.get(key)
+        if data is None:
+            data = self.open_step(step, against_index=False, main_only=True)
+            self._base_steps[key] = data
+            while len(self._base_steps) > OPEN_BASES:
+                self._base_steps.popitem(last=False)[1].close()
+        self._base_steps.move_to_end(key)
+        rec = data.records.get(name)
+        if rec is None:
+            raise CorruptionError(f"a delta of tensor {name!r} in {self.run_dir} is against step {step}, "
+                                  "which has no such tensor: the run is damaged")
+        return data, rec, None
+
+    def remember(self, row: StepRow, name: str, value: np.ndarray) -> None:
+        """Keep a decoded (and checked) value: the next step's delta is decoded against it.
+        The newest :data:`DECODED_PER_TENSOR` of each tensor, :data:`DECODED_BYTES` in all."""
+        with self._decoded_lock:
+            key = (name, (row.step, row.time))
+            if key in self._decoded:
+                self._decoded.move_to_end(key)
+                return
+            self._decoded[key] = value
+            self._decoded_bytes += value.nbytes
+            mine = [k for k in self._decoded if k[0] == name]
+            for old in mine[:-DECODED_PER_TENSOR]:
+                self._decoded_bytes -= self._decoded.pop(old).nbytes
+            while self._decoded_bytes > DECODED_BYTES and len(self._decoded) > 1:
+                self._decoded_bytes -= self._decoded.popitem(last=False)[1].nbytes
 
     def _check_records(self, data: StepData) -> None:
         """The manifest and the index rows must describe the same tensors: a read
@@ -356,4 +563,8 @@ class Store:
                     "checksums differ): the index or the step's data is damaged")
 
     def close(self) -> None:
+        with self._bases_lock:
+            for data in self._base_steps.values():
+                data.close()
+            self._base_steps.clear()
         self.index.close()

@@ -3,8 +3,12 @@
 For each step, :func:`verify_run` opens the step's data (which checks the
 manifest against the index, and for ADIOS2 the BP5 files against their
 recorded sizes and checksums), compares the index's tensor rows with the
-manifest, then reads every tensor and recomputes its xxh3-64 checksum. It
-never stops at the first problem: every damaged step and tensor is reported.
+manifest, then reads every tensor and recomputes its xxh3-64 checksum. A
+restore point's records are those of both its units, a trajectory point's those
+of its main unit. An encoded tensor is decoded (a delta against its base, read
+through the :class:`Store`) and its checksum is that of the decoded bytes; a
+delta whose base cannot be read is reported with the base's step. It never
+stops at the first problem: every damaged step and tensor is reported.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Callable, Iterable
 
 from .errors import CorruptionError, StepNotFoundError
 from .index import FORMAT_VERSION
+from .items import TensorRecord
 from .store import StepData, Store
 
 Progress = Callable[[int, "str | None", int], None]
@@ -108,10 +113,7 @@ def verify_step(store: Store, step: int, progress: Progress | None = None) -> li
         except (sqlite3.DatabaseError, CorruptionError, ValueError, KeyError, TypeError) as exc:
             problems = [Problem(step, None, f"its manifest or index rows cannot be compared: {exc}")]
         for name, rec in data.records.items():
-            try:
-                data.read(name)
-            except Exception as exc:
-                problems.append(Problem(step, name, str(exc)))
+            problems += _check_tensor(store, data, rec)
             if progress:
                 progress(step, name, rec.nbytes)
         if problems and store.index.step_row(step) != row:
@@ -119,6 +121,22 @@ def verify_step(store: Store, step: int, progress: Progress | None = None) -> li
         return problems
     finally:
         data.close()
+
+
+def _check_tensor(store: Store, data: StepData, rec: TensorRecord) -> list[Problem]:
+    """The problem of one tensor, if any: a delta whose base cannot be read is
+    reported as such (the base's own step reports what is wrong with it)."""
+    step = data.row.step
+    if rec.base is not None and rec.base < step:
+        try:
+            store.base(rec.base, rec.name)  # decoded once: the read below finds it
+        except Exception as exc:
+            return [Problem(step, rec.name, f"its delta base at step {rec.base} cannot be read: {exc}")]
+    try:
+        data.read(rec.name)
+    except Exception as exc:
+        return [Problem(step, rec.name, str(exc))]
+    return []
 
 
 def _check_manifest(store: Store, data: StepData) -> list[Problem]:
@@ -149,8 +167,9 @@ def _same_record(a, b) -> bool:
     # SQLite stores NaN as NULL, which the index reads back as a missing statistic
     same_stats = all(_same_number(a.stats.get(k, math.nan), b.stats.get(k, math.nan))
                      for k in a.stats.keys() | b.stats.keys())
-    return ((a.name, a.dtype, tuple(a.shape), a.nbytes, a.checksum, a.encoding)
-            == (b.name, b.dtype, tuple(b.shape), b.nbytes, b.checksum, b.encoding) and same_stats)
+    return ((a.name, a.dtype, tuple(a.shape), a.nbytes, a.checksum, a.encoding, a.part, a.stored, a.base)
+            == (b.name, b.dtype, tuple(b.shape), b.nbytes, b.checksum, b.encoding, b.part, b.stored, b.base)
+            and same_stats and _same_number(a.update_ratio, b.update_ratio))
 
 
 def _same_number(x, y) -> bool:

@@ -156,6 +156,15 @@ def make_optimizer(model, lr):
                              lr=lr, betas=(0.9, 0.95))
 
 
+def history_policies(args) -> dict:
+    """What the run keeps: the newest restore points (and every --keep-every-th), and the
+    model's weights at every --trajectory-every-th step; everything with --keep-all."""
+    if args.keep_all:
+        return {}
+    return {"keep": dh.KeepLast(args.keep_last) | dh.KeepEvery(args.keep_every),
+            "trajectory": dh.Trajectory("model/*", every=args.trajectory_every)}
+
+
 def train(args) -> dict:
     """Run the training loop described by ``args`` (see :func:`build_parser`).
 
@@ -176,7 +185,8 @@ def train(args) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model {args.size}: {n_params / 1e6:.2f}M params | corpus {len(corpus) / 1e6:.1f} MB")
 
-    ckpt = None if args.no_ckpt else dh.Checkpointer(args.run_dir, backend=args.backend)
+    ckpt = None if args.no_ckpt else dh.Checkpointer(args.run_dir, backend=args.backend, codec=args.codec,
+                                                     **history_policies(args))
     start, tokens_seen = 0, 0
     if (args.resume or args.resume_from is not None) and ckpt is not None:
         if ckpt.steps():
@@ -240,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--no-ckpt", action="store_true", help="train without checkpointing")
+    p.add_argument("--keep-last", type=int, default=2, help="restore points kept: the newest N ...")
+    p.add_argument("--keep-every", type=int, default=1000, help="... and every K-th step")
+    p.add_argument("--trajectory-every", type=int, default=1,
+                   help="other steps keep the model's weights every N steps")
+    p.add_argument("--keep-all", action="store_true", help="keep every step as a restore point")
+    p.add_argument("--codec", choices=["delta", "key", "raw"], default="delta")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--corpus-bytes", type=int, default=8 << 20)

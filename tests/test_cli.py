@@ -59,7 +59,7 @@ def test_table_output(run_dir):
     out = cli("show", run_dir, "10")
     assert out.returncode == 0
     header, *lines = [line.split() for line in out.stdout.strip().splitlines()]
-    assert header == ["name", "shape", "dtype", "norm", "min", "max"]
+    assert header == ["name", "shape", "dtype", "encoding", "nbytes", "stored", "norm"]
     assert ["model/weight", "4x8", "float32"] == lines[[l[0] for l in lines].index("model/weight")][:3]
     out = cli("ls", run_dir)
     assert [l.split()[0] for l in out.stdout.strip().splitlines()] == ["step", "0", "10", "20"]

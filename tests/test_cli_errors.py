@@ -72,8 +72,8 @@ def test_diff_counts_nan_in_both_steps_as_unchanged(run_dir):
     assert weight["l2"] == pytest.approx(2.0) and weight["max_abs"] == pytest.approx(2.0)
 
 
-def committed_run(run_dir, steps=(0, 1, 2)):
-    with dh.Checkpointer(run_dir) as ckpt:
+def committed_run(run_dir, steps=(0, 1, 2), codec="delta"):
+    with dh.Checkpointer(run_dir, codec=codec) as ckpt:
         for step in steps:
             ckpt.write(step, torch.nn.Linear(4, 3))
 
@@ -81,7 +81,7 @@ def committed_run(run_dir, steps=(0, 1, 2)):
 def test_prune_dry_run_only_reads_a_read_only_run(tmp_path):
     run = str(tmp_path / "ro" / "run")
     with read_only(str(tmp_path / "ro")) as freeze:
-        committed_run(run)
+        committed_run(run, codec="key")  # no delta bases: the rule alone decides
         freeze()
         before = sorted(os.listdir(os.path.join(run, "steps")))
         sizes = step_sizes(run)
@@ -91,7 +91,8 @@ def test_prune_dry_run_only_reads_a_read_only_run(tmp_path):
         out = cli("prune", run, "--keep-last", "1", "--dry-run", "--json")
         assert json.loads(out.stdout) == {"removed": [0, 1], "kept": [2], "bytes": sizes[0] + sizes[1],
                                           "dry_run": True, "freed": [{"step": 0, "bytes": sizes[0]},
-                                                                     {"step": 1, "bytes": sizes[1]}]}
+                                                                     {"step": 1, "bytes": sizes[1]}],
+                                          "bases": []}
         out = cli("prune", run, "--keep-last", "1")
         assert out.returncode == EXIT_IO
         assert out.stderr == f"datastates-hist: the run directory {run} is not writable: read-only file system\n"
@@ -102,11 +103,11 @@ def test_prune_dry_run_only_reads_a_read_only_run(tmp_path):
 
 
 def test_prune_reports_bytes_it_deleted(run_dir):
-    committed_run(run_dir, steps=(0, 1, 2, 3))
+    committed_run(run_dir, steps=(0, 1, 2, 3), codec="key")
     sizes = step_sizes(run_dir)
     out = cli("prune", run_dir, "--keep-every", "2", "--json")
     assert json.loads(out.stdout) == {"removed": [1], "kept": [0, 2, 3], "bytes": sizes[1], "dry_run": False,
-                                      "freed": [{"step": 1, "bytes": sizes[1]}]}
+                                      "freed": [{"step": 1, "bytes": sizes[1]}], "bases": []}
 
 
 @pytest.mark.parametrize("args, code, message", [

@@ -16,10 +16,10 @@ from datastates_hist.repair import PREVIOUS_INDEX_SUFFIX
 STEPS = 5
 
 
-def build_run(run_dir, backend):
+def build_run(run_dir, backend, codec="delta"):
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 8)
-    with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+    with dh.Checkpointer(run_dir, backend=backend, codec=codec) as ckpt:
         for step in range(STEPS):
             ckpt.wait_snapshot()
             with torch.no_grad():
@@ -112,8 +112,9 @@ def test_prune_refuses_a_count_below_one(module_runs):
                                                f"{value!r} is not a count (a whole number from 1)")
 
 
-def test_prune_dry_run_lists_the_steps_and_bytes_and_changes_nothing(module_runs, backend, tmp_path):
-    run_dir = copy_of(module_runs, backend, tmp_path)
+def test_prune_dry_run_lists_the_steps_and_bytes_and_changes_nothing(backend, tmp_path):
+    run_dir = str(tmp_path / "run")
+    build_run(run_dir, backend, codec="key")  # no delta bases: the rules alone decide
     before = contents(run_dir)
     sizes = {int(u.split(".")[0]): n for u, n in unit_sizes(run_dir).items()}
     doomed = [1, 2, 3]  # keep the newest (4) and every 4th step (0, 4)
@@ -122,7 +123,7 @@ def test_prune_dry_run_lists_the_steps_and_bytes_and_changes_nothing(module_runs
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {
         "removed": doomed, "kept": [0, 4], "bytes": sum(sizes[s] for s in doomed), "dry_run": True,
-        "freed": [{"step": s, "bytes": sizes[s]} for s in doomed],
+        "freed": [{"step": s, "bytes": sizes[s]} for s in doomed], "bases": [],
     }
     out = cli("prune", run_dir, "--keep-last", "1", "--keep-every", "4", "--dry-run")
     assert out.returncode == 0, out.stderr
@@ -143,13 +144,56 @@ def test_prune_dry_run_lists_the_steps_and_bytes_and_changes_nothing(module_runs
 
 def test_prune_lists_spans_of_neighbouring_committed_steps(tmp_path):
     run_dir = str(tmp_path / "run")
-    with dh.Checkpointer(run_dir) as ckpt:
+    with dh.Checkpointer(run_dir, codec="key") as ckpt:
         for step in range(0, 100, 10):
             ckpt.write(step, torch.nn.Linear(2, 2))
     out = cli("prune", run_dir, "--keep-every", "40", "--dry-run")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("would delete 6 steps; 4 kept; would free ")
     assert out.stdout.endswith(" KiB (steps 10..30, 50..70)\n")  # 0, 40, 80 kept and 90, the newest
+
+
+def test_prune_of_a_delta_run_keeps_exactly_the_bases_of_kept_steps(tmp_path):
+    """On a run of the default codec, a kept step keeps its delta chain back to its key:
+    those steps stay, are listed as bases, and every kept step still reads bit-exact."""
+    run_dir = str(tmp_path / "run")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    written = {}
+    with dh.Checkpointer(run_dir, key_every=4) as ckpt:  # chains: keys at 0, 4, 8
+        for step in range(10):
+            ckpt.wait_snapshot()
+            with torch.no_grad():
+                model.weight.add_(1)
+            written[step] = model.weight.detach().clone()
+            ckpt.write(step, model)
+    with dh.open(run_dir) as h:
+        assert [h.tensors(s)["encoding"].unique().tolist() for s in h.steps] == [
+            ["key"], ["delta"], ["delta"], ["delta"], ["key"], ["delta"], ["delta"], ["delta"], ["key"], ["delta"]]
+    sizes = {int(u.split(".")[0]): n for u, n in unit_sizes(run_dir).items()}
+    # the rules keep 0, 6 and 9; 6 is a delta against 5, 5 against 4 (a key); 9 against 8 (a key)
+    removed, kept, bases = [1, 2, 3, 7], [0, 4, 5, 6, 8, 9], [4, 5, 8]
+    freed = sum(sizes[s] for s in removed)
+
+    out = cli("prune", run_dir, "--keep-last", "1", "--keep-every", "6", "--dry-run", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {
+        "removed": removed, "kept": kept, "bytes": freed, "dry_run": True,
+        "freed": [{"step": s, "bytes": sizes[s]} for s in removed], "bases": bases,
+    }
+    out = cli("prune", run_dir, "--keep-last", "1", "--keep-every", "6")
+    assert (out.returncode, out.stderr) == (0, "")
+    assert out.stdout == (f"deleted 4 steps; 6 kept; freed {freed / 1024:.1f} KiB (steps 1..3, 7)\n"
+                          "3 kept only as delta bases of kept steps (steps 4, 5, 8)\n")
+    assert sorted(int(u.split(".")[0]) for u in unit_sizes(run_dir)) == kept
+    with dh.open(run_dir) as h:
+        assert h.steps == kept
+        for step in kept:
+            assert torch.equal(h.read("model/weight", step), written[step])
+    out = cli("verify", run_dir)
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = cli("prune", run_dir, "--keep-last", "1", "--keep-every", "6")  # the bases stay while needed
+    assert out.stdout == "deleted 0 steps; 6 kept\n3 kept only as delta bases of kept steps (steps 4, 5, 8)\n"
 
 
 # --- repair --force on a healthy run ---------------------------------------------------------

@@ -1,10 +1,12 @@
-"""The reading commands (show, diff, export) as a researcher types them: --version,
-latest and negative steps, name filters, tables that fit the terminal, a diff that
-ranks what moved, and an export that never overwrites or escapes its target."""
+"""The reading commands (ls, show, diff, export) as a researcher types them: --version,
+latest and negative steps, name filters, tables that fit the terminal, what each step
+and tensor takes as stored, a diff that ranks what moved, and an export that never
+overwrites or escapes its target."""
 
 import json
 import math
 import os
+import sqlite3
 import subprocess
 import sys
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 import datastates_hist as dh
-from datastates_hist.cli.output import shorten
+from datastates_hist.cli.output import shorten, size, when
 from datastates_hist.history import compare
 
 STEPS = (0, 1, 2, 3)
@@ -36,15 +38,13 @@ def model():
     return net
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """Step 0 before any update (a zero bias, no optimizer state yet), steps 1-3 after Adam's."""
-    path = str(tmp_path_factory.mktemp("reading") / "run")
+def train(path, steps, **options):
+    """Step 0 before any update (a zero bias, no optimizer state yet), the others after Adam's."""
     net = model()
     opt = torch.optim.Adam(net.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
-    with dh.Checkpointer(path) as ckpt:
-        for step in STEPS:
+    with dh.Checkpointer(path, **options) as ckpt:
+        for step in steps:
             if step:
                 net(torch.randn(16, 6, generator=g)).square().mean().backward()
                 opt.step()
@@ -52,6 +52,27 @@ def run(tmp_path_factory):
             ckpt.write(step, net, opt)
             ckpt.wait()
     return path
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return train(str(tmp_path_factory.mktemp("reading") / "run"), STEPS)
+
+
+@pytest.fixture(scope="module")
+def trajectory_run(tmp_path_factory):
+    """Steps 0-5 kept as restore points by KeepLast(2) | KeepEvery(4) (0, 4, 5); the
+    others kept as trajectory points (the model only)."""
+    return train(str(tmp_path_factory.mktemp("reading") / "trajectory"), range(6),
+                 keep=dh.KeepLast(2) | dh.KeepEvery(4), trajectory=dh.Trajectory("model/*"))
+
+
+def index_rows(run, sql):
+    conn = sqlite3.connect(f"file:{os.path.join(run, 'index.sqlite')}?mode=ro", uri=True)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
 
 
 def stored_names(run, step):
@@ -98,7 +119,7 @@ def test_show_fits_80_columns_without_wrapping_a_name(run):
     out = cli("show", run, "3", columns=80)
     assert out.returncode == 0, out.stderr
     header, *lines = out.stdout.splitlines()
-    assert header.split() == ["name", "shape", "dtype", "norm", "min", "max"]
+    assert header.split() == ["name", "shape", "dtype", "encoding", "nbytes", "stored", "norm"]
     assert len(lines) == len(names) and max(len(line) for line in out.stdout.splitlines()) <= 80
     for name, line in zip(names, lines):
         shown = line.split()[0]
@@ -108,7 +129,49 @@ def test_show_fits_80_columns_without_wrapping_a_name(run):
     assert [line.split()[0] for line in wide[1:]] == names
     with dh.open(run) as h:
         norm = h.tensors(3).set_index("name").loc[f"model/{LONG}.0.weight", "norm"]
-    assert wide[1 + names.index(f"model/{LONG}.0.weight")].split()[3] == f"{norm:.6g}"
+    assert wide[1 + names.index(f"model/{LONG}.0.weight")].split()[-1] == f"{norm:.6g}"
+
+
+def test_ls_says_each_steps_kind_and_its_bytes_as_stored(trajectory_run, run):
+    out = cli("ls", trajectory_run, "--json")
+    assert (out.returncode, out.stderr) == (0, "")
+    got = json.loads(out.stdout)
+    want = index_rows(trajectory_run, "SELECT s.step, s.time, s.tier, s.nbytes, SUM(COALESCE(t.stored, t.nbytes)),"
+                      " s.ntensors FROM steps s JOIN tensors t ON t.step = s.step GROUP BY s.step ORDER BY s.step")
+    assert [(r["step"], r["kind"], r["bytes"], r["stored"], r["tensors"]) for r in got] == [
+        (step, "trajectory" if tier == "trajectory" else "restore", nbytes, stored, ntensors)
+        for step, _, tier, nbytes, stored, ntensors in want]
+    assert [r["kind"] for r in got] == ["restore", "trajectory", "trajectory", "trajectory", "restore", "restore"]
+    assert any(r["stored"] < r["bytes"] for r in got)  # not the raw bytes again: compressed
+    out = cli("ls", trajectory_run, columns=80)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and max(map(len, lines)) <= 80
+    assert lines[0].split() == ["step", "time", "kind", "bytes", "stored", "tensors"]
+    assert [line.split() for line in lines[1:]] == [
+        " ".join([str(r["step"]), when(r["time"]), r["kind"], size(r["bytes"]), size(r["stored"]),
+                  str(r["tensors"])]).split() for r in got]
+    tiers = {tier for (tier,) in index_rows(run, "SELECT DISTINCT tier FROM steps")}
+    assert tiers == {"full"} and {r["kind"] for r in json.loads(cli("ls", run, "--json").stdout)} == {"restore"}
+
+
+def test_show_says_how_each_tensor_is_stored(trajectory_run):
+    want = index_rows(trajectory_run, "SELECT name, encoding, base, nbytes, COALESCE(stored, nbytes), update_ratio"
+                      " FROM tensors WHERE step=5 ORDER BY rowid")
+    out = cli("show", trajectory_run, "5", "--json")
+    assert (out.returncode, out.stderr) == (0, "")
+    got = json.loads(out.stdout)
+    assert [(r["name"], r["encoding"], r["base"], r["nbytes"], r["stored"], r["update_ratio"]) for r in got] == want
+    encodings = {name: (encoding, base) for name, encoding, base, *_ in want}
+    assert {encodings[n] for n in encodings if n.startswith("model/")} == {("delta", 4)}  # the trajectory: deltas
+    assert {encodings[n] for n in encodings if not n.startswith("model/")} == {("key", None)}
+    wide = cli("show", trajectory_run, "5").stdout.splitlines()  # to a pipe: full names
+    assert wide[0].split() == ["name", "shape", "dtype", "encoding", "nbytes", "stored", "norm"]
+    assert [line.split()[:8] for line in wide[1:]] == [
+        [name, *line.split()[1:3], "delta<-4" if encoding == "delta" else encoding, *size(nbytes).split(),
+         *size(stored).split()] for line, (name, encoding, base, nbytes, stored, _) in zip(wide[1:], want)]
+    narrow = cli("show", trajectory_run, "1", columns=80).stdout.splitlines()  # a trajectory point: the model
+    assert max(map(len, narrow)) <= 80 and len(narrow) == 1 + len([n for n, *_ in want if n.startswith("model/")])
+    assert {line.split()[3] for line in narrow[1:]} == {"delta<-0"}
 
 
 def test_shorten_keeps_the_end_and_the_group_when_there_is_room():

@@ -1,7 +1,10 @@
 """Damaged data is always detected and named; a damaged index is named at open and repaired.
 
-Bits are flipped and files truncated at random places of real runs. The random
-damage anywhere in the step files runs in a child process, so that a reader
+Bits are flipped and files truncated at random places of real runs, stored raw
+(the tensors' bytes as they are, found in the files) and encoded (compressed
+blobs, deltas against earlier steps). Damage to a delta's base is reported at
+the damaged step, and at every later step encoded against it as a base that
+cannot be read. The random damage runs in a child process, so that a reader
 library crashing on damaged input would fail the test instead of pytest.
 """
 
@@ -11,6 +14,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,12 +27,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 3
 
 
-def make_run(run_dir, backend):
-    """A run of STEPS steps of a two-layer model with Adam; every tensor differs per step."""
+def make_run(run_dir, backend, codec="delta"):
+    """A run of STEPS steps of a two-layer model with Adam; every tensor differs per step.
+    With ``codec="delta"`` step 0 is stored as keys, step 1 as deltas against step 0,
+    step 2 as deltas against steps 1 and 0."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 16))
     opt = torch.optim.Adam(model.parameters())
-    with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+    with dh.Checkpointer(run_dir, backend=backend, codec=codec) as ckpt:
         for step in range(STEPS):
             model(torch.randn(4, 32)).sum().backward()
             opt.step()
@@ -55,8 +61,38 @@ def stored_tensors(run_dir):
     return out
 
 
+def stored_blobs(run_dir):
+    """(step, name) -> the blob of every encoded tensor, as its unit holds it."""
+    out = {}
+    store = Store(run_dir)
+    for step in store.steps():
+        with store.open_step(step) as data:
+            for rec in data.records.values():
+                if rec.encoding != "raw":
+                    blob = np.empty(rec.stored, np.uint8)
+                    data.readers[rec.part].read(rec.name, blob, (0,))
+                    out[step, rec.name] = blob.tobytes()
+    store.close()
+    return out
+
+
+def dependents(run_dir, step, name=None):
+    """The steps after ``step`` whose tensor ``name`` (any tensor: None) is a delta
+    decoded through ``step``: their base, or their base's base, ... is ``step``."""
+    store = Store(run_dir)
+    try:
+        reached = {step}
+        for later in store.steps():
+            if later > step and any(r.base in reached for r in store.records(later) if name in (None, r.name)):
+                reached.add(later)
+        return reached - {step}
+    finally:
+        store.close()
+
+
 def locate(run_dir, tensors):
-    """(step, name) -> (file, offset, length) of every tensor whose bytes occur once in its unit."""
+    """(step, name) -> (file, offset, length) of every tensor (its bytes, or its blob)
+    whose bytes occur once in its unit."""
     where = {}
     for (step, name), raw in tensors.items():
         if len(raw) < 64:
@@ -81,7 +117,7 @@ def flip(path, offset, bit):
 
 def test_every_bit_flip_in_tensor_data_is_detected_and_named(tmp_path, backend):
     run_dir = str(tmp_path / "run")
-    make_run(run_dir, backend)
+    make_run(run_dir, backend, codec="raw")
     where = locate(run_dir, stored_tensors(run_dir))
     names = {name for _, name in where}
     assert {"model/0.weight", "optim/state/0.weight/exp_avg", "rng/torch"} <= names
@@ -102,23 +138,109 @@ def test_every_bit_flip_in_tensor_data_is_detected_and_named(tmp_path, backend):
     assert verify_run(run_dir) == []
 
 
-DAMAGE_TRIALS = r"""
+def how_it_differs(run_dir, pristine):
+    """None when every tensor of the run reads back as ``pristine`` (stored_tensors), else how not."""
+    try:
+        if stored_tensors(run_dir) == pristine:
+            return None
+        return "the data differs"
+    except Exception as exc:
+        return f"the data cannot be read ({type(exc).__name__}: {exc})"
+
+
+def restore_fails(run_dir, step):
+    """The message of the CorruptionError that restoring ``step`` raises, or None."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 16))
+    try:
+        with dh.Checkpointer(run_dir) as ckpt:
+            ckpt.restore(step, model=model, optimizer=torch.optim.Adam(model.parameters()))
+    except dh.CorruptionError as exc:
+        return str(exc)
+    return None
+
+
+TRIALS = r"""
 import json, os, random, sys
 sys.path.insert(0, sys.argv[1])
 import test_corruption as t
-print(json.dumps(t.damage_trials(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+print(json.dumps(getattr(t, sys.argv[2])(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))))
 """
+
+
+def trials_in_a_child(trials, run_dir, count, seed):
+    """``trials(run_dir, count, seed)`` of this module, run in a child process."""
+    child = subprocess.run([sys.executable, "-c", TRIALS, HERE, trials.__name__, run_dir, str(count), str(seed)],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]  # a crash or abort of a reader library
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def blob_flip_trials(run_dir, trials, seed):
+    """Flip one random bit of one encoded tensor's blob per trial, check, undo.
+
+    Returns the names of the tensors whose blobs were found, and counts of outcomes:
+    ``detected`` (verify names that tensor of that step, and the same tensor of each
+    later step decoded through it as a delta base that cannot be read; restoring the
+    step raises CorruptionError naming the tensor), ``harmless`` (verify finds nothing
+    and every tensor decodes bit-identical: the flip hit a bit the decoder ignores),
+    and ``wrong`` (anything else: must never happen).
+    """
+    pristine = stored_tensors(run_dir)
+    where = locate(run_dir, stored_blobs(run_dir))
+    chains = {key: sorted(dependents(run_dir, *key)) for key in where}
+    rng = random.Random(seed)
+    outcome = {"names": sorted({name for _, name in where}), "detected": 0, "harmless": 0, "wrong": []}
+    for _ in range(trials):
+        (step, name), (path, at, length) = rng.choice(sorted(where.items()))
+        offset, bit = at + rng.randrange(length), rng.randrange(8)
+        flip(path, offset, bit)
+        what = f"flipped bit {bit} at {offset} of {path}, in the blob of {name!r} of step {step}"
+        problems = verify_run(run_dir)
+        named = f"tensor {name!r} of step {step} in {run_dir}"
+        if not problems:
+            differs = how_it_differs(run_dir, pristine)
+            if differs is None:
+                outcome["harmless"] += 1
+            else:
+                outcome["wrong"].append(f"{what}: not detected, {differs}")
+        elif ([(p.step, p.tensor) for p in problems] != [(step, name)] + [(s, name) for s in chains[step, name]]
+              or not all(named in p.message for p in problems)
+              or not ("does not match its checksum" in problems[0].message
+                      or "cannot be decoded" in problems[0].message)
+              or not all(p.message.startswith("its delta base at step ") for p in problems[1:])):
+            outcome["wrong"].append(f"{what}: {[str(p) for p in problems]}")
+        else:
+            error = restore_fails(run_dir, step)
+            if error is None or named not in error:
+                outcome["wrong"].append(f"{what}: restore raised {error!r}")
+            else:
+                outcome["detected"] += 1
+        flip(path, offset, bit)
+    return outcome
+
+
+def test_every_bit_flip_in_an_encoded_tensors_blob_is_detected_and_named(tmp_path, backend):
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    outcome = trials_in_a_child(blob_flip_trials, run_dir, 40, 5)
+    assert {"model/0.weight", "optim/state/0.weight/exp_avg", "rng/torch"} <= set(outcome["names"])
+    assert outcome["wrong"] == []
+    assert outcome["detected"] + outcome["harmless"] == 40
+    assert outcome["detected"] >= 36, outcome  # only a few bits of a blob are ignored by the decoder
+    assert verify_run(run_dir) == []  # every trial was undone
 
 
 def damage_trials(run_dir, trials, seed):
     """Damage one random place of one random unit file per trial, check, undo.
 
-    Returns counts of outcomes: ``detected`` (verify named the damaged step and
-    only it), ``harmless`` (verify found nothing and every tensor reads back
-    bit-identical), and ``silent`` (anything else: must never happen).
+    Returns counts of outcomes: ``detected`` (verify named the damaged step, and
+    no other but later steps encoded against it, each for a delta base that
+    cannot be read), ``harmless`` (verify found nothing and every tensor reads
+    back bit-identical), and ``silent`` (anything else: must never happen).
     """
     pristine = stored_tensors(run_dir)
     files = unit_files(run_dir)
+    chains = {s: dependents(run_dir, s) for s in range(STEPS)}
     rng = random.Random(seed)
     outcome = {"detected": 0, "harmless": 0, "silent": []}
     for k in range(trials):
@@ -135,24 +257,26 @@ def damage_trials(run_dir, trials, seed):
             what = f"flipped bit {bit} at {offset} of {path}"
         problems = verify_run(run_dir)
         if problems:
-            ok = {p.step for p in problems} == {step}
-            outcome["detected" if ok else "silent"] += 1 if ok else [what + f": {problems}"]
-        elif stored_tensors(run_dir) == pristine:
-            outcome["harmless"] += 1
+            ok = step in {p.step for p in problems} and all(
+                p.step == step or (p.step in chains[step] and p.message.startswith("its delta base at step "))
+                for p in problems)
+            outcome["detected" if ok else "silent"] += 1 if ok else [what + f": {[str(p) for p in problems]}"]
         else:
-            outcome["silent"].append(what + ": not detected, data differs")
+            differs = how_it_differs(run_dir, pristine)
+            if differs is None:
+                outcome["harmless"] += 1
+            else:
+                outcome["silent"].append(f"{what}: not detected, {differs}")
         with open(path, "wb") as f:
             f.write(original)
     return outcome
 
 
-def test_random_damage_anywhere_in_step_files_is_detected_or_harmless(tmp_path, backend):
+@pytest.mark.parametrize("codec", ["raw", "delta"])
+def test_random_damage_anywhere_in_step_files_is_detected_or_harmless(tmp_path, backend, codec):
     run_dir = str(tmp_path / "run")
-    make_run(run_dir, backend)
-    child = subprocess.run([sys.executable, "-c", DAMAGE_TRIALS, HERE, run_dir, "60", "7"],
-                           capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0, child.stderr[-3000:]  # a crash or abort of a reader library
-    outcome = json.loads(child.stdout.strip().splitlines()[-1])
+    make_run(run_dir, backend, codec)
+    outcome = trials_in_a_child(damage_trials, run_dir, 60, 7)
     assert outcome["silent"] == []
     assert outcome["detected"] + outcome["harmless"] == 60
     assert outcome["detected"] >= 30  # most bytes of a step unit matter
@@ -161,7 +285,7 @@ def test_random_damage_anywhere_in_step_files_is_detected_or_harmless(tmp_path, 
 
 def test_truncated_data_file_names_the_step(tmp_path, backend):
     run_dir = str(tmp_path / "run")
-    make_run(run_dir, backend)
+    make_run(run_dir, backend, codec="raw")
     path = max((p for p in unit_files(run_dir) if "000000000001" in p), key=os.path.getsize)
     size = os.path.getsize(path)
     open(path, "r+b").truncate(size // 2)
@@ -173,6 +297,23 @@ def test_truncated_data_file_names_the_step(tmp_path, backend):
                                                          torch.nn.Linear(32, 16))).step == 2
         with pytest.raises(dh.CorruptionError, match="step 1|000000000001"):
             ckpt.restore(1, model=torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 16)))
+
+
+def test_truncated_data_file_names_its_step_and_the_steps_encoded_against_it(tmp_path, backend):
+    """Step 2 is stored as deltas against step 1: it is damaged with it, and says so."""
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    assert dependents(run_dir, 1) == {2}
+    path = max((p for p in unit_files(run_dir) if "000000000001" in p), key=os.path.getsize)
+    open(path, "r+b").truncate(os.path.getsize(path) // 2)
+    problems = verify_run(run_dir)
+    assert {p.step for p in problems} == {1, 2}
+    assert [p for p in problems if p.step == 2] and all(
+        p.message.startswith("its delta base at step 1 cannot be read: ") for p in problems if p.step == 2)
+    assert verify_run(run_dir, steps=[0]) == []
+    assert restore_fails(run_dir, 0) is None
+    for step in (1, 2):
+        assert "step 1 in" in restore_fails(run_dir, step)
 
 
 # --- the index ---------------------------------------------------------------------------
@@ -189,9 +330,10 @@ def index_view(run_dir):
     """Everything the index says, except commit times."""
     store = Store(run_dir)
     try:
-        rows = [(r.step, r.backend, r.location, r.nbytes, r.ntensors, r.manifest_checksum)
+        rows = [(r.step, r.backend, r.location, r.nbytes, r.ntensors, r.tier, r.manifest_checksum)
                 for r in store.index.step_rows()]
-        records = {s: [(r.name, r.dtype, r.shape, r.nbytes, r.checksum, json.dumps(r.stats))
+        records = {s: [(r.name, r.dtype, r.shape, r.nbytes, r.checksum, json.dumps(r.stats), r.encoding,
+                        r.part, r.stored, r.base, r.update_ratio)
                        for r in store.records(s)] for s in store.steps()}
         return rows, records
     finally:
@@ -300,7 +442,7 @@ def test_lost_index_is_refused_not_wiped_and_repair_keeps_every_step(tmp_path, b
 
 def test_repair_sets_damaged_steps_aside_and_keeps_commit_times(tmp_path, backend):
     run_dir = str(tmp_path / "run")
-    make_run(run_dir, backend)
+    make_run(run_dir, backend, codec="raw")
     times = commit_times(run_dir)
     where = locate(run_dir, stored_tensors(run_dir))
     path, at, _ = where[1, "model/0.weight"]
@@ -311,6 +453,22 @@ def test_repair_sets_damaged_steps_aside_and_keeps_commit_times(tmp_path, backen
     assert "'model/0.weight' of step 1" in next(iter(report.set_aside.values()))
     assert os.listdir(os.path.join(run_dir, "damaged")) == list(report.set_aside)  # kept, not deleted
     assert commit_times(run_dir) == {0: times[0], 2: times[2]}
+    assert verify_run(run_dir) == []
+
+
+def test_repair_sets_aside_a_damaged_step_and_the_steps_encoded_against_it(tmp_path, backend):
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    times = commit_times(run_dir)
+    path, at, length = locate(run_dir, stored_blobs(run_dir))[1, "model/0.weight"]
+    flip(path, at + length // 2, 0)
+    report = repair_run(run_dir, force=True)
+    units = sorted(os.listdir(os.path.join(run_dir, "steps")) + list(report.set_aside))
+    assert report.steps == [0] and sorted(report.set_aside) == units[1:]  # steps 1 and 2
+    assert "'model/0.weight' of step 1" in report.set_aside[units[1]]
+    assert "'model/0.weight' is a delta against step 1" in report.set_aside[units[2]]
+    assert sorted(os.listdir(os.path.join(run_dir, "damaged"))) == units[1:]  # kept, not deleted
+    assert commit_times(run_dir) == {0: times[0]}
     assert verify_run(run_dir) == []
 
 
@@ -330,12 +488,14 @@ def cli_main(*args):
     return main(list(args))
 
 
-def test_cli_verify_names_step_and_tensor(tmp_path, capsys):
+@pytest.mark.parametrize("codec", ["raw", "delta"])
+def test_cli_verify_names_step_and_tensor(tmp_path, capsys, codec):
     run_dir = str(tmp_path / "run")
-    make_run(run_dir, "hdf5")
+    make_run(run_dir, "hdf5", codec)
     assert cli_main("verify", run_dir) == 0
     assert "verified 3 steps" in capsys.readouterr().out
-    path, at, _ = locate(run_dir, stored_tensors(run_dir))[2, "optim/state/1.bias/exp_avg_sq"]
+    stored = stored_tensors(run_dir) if codec == "raw" else stored_blobs(run_dir)
+    path, at, _ = locate(run_dir, stored)[2, "optim/state/1.bias/exp_avg_sq"]
     flip(path, at, 3)
     out = subprocess.run([sys.executable, "-m", "datastates_hist.cli", "verify", run_dir, "--json"],
                          capture_output=True, text=True)
@@ -352,13 +512,16 @@ def test_cli_verify_names_step_and_tensor(tmp_path, capsys):
     assert "step 9 is not committed" in capsys.readouterr().err
 
 
-def test_damaged_optimizer_state_is_named_at_restore(tmp_path, backend):
-    """Optimizer state is read into fresh memory or mapped from the file (HDF5): either way
-    a flipped bit or a truncated file is an error naming the step, never a crash."""
+@pytest.mark.parametrize("codec", ["raw", "delta"])
+def test_damaged_optimizer_state_is_named_at_restore(tmp_path, backend, codec):
+    """Optimizer state is read into fresh memory or mapped from the file (HDF5), or
+    decoded from its blob: either way a flipped bit or a truncated file is an error
+    naming the step, never a crash."""
     run_dir = str(tmp_path / "run")
-    make_run(run_dir, backend)
-    where = locate(run_dir, stored_tensors(run_dir))
-    path, at, _ = where[1, "optim/state/0.weight/exp_avg"]
+    make_run(run_dir, backend, codec)
+    where = locate(run_dir, stored_tensors(run_dir) if codec == "raw" else stored_blobs(run_dir))
+    path, at, length = where[1, "optim/state/0.weight/exp_avg"]
+    assert length > 100
     original = open(path, "rb").read()
 
     def restore_step_1():

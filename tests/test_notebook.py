@@ -4,7 +4,10 @@ directory holding the run, so the kernel's working directory is ``examples/`` wh
 ``DH_RUN`` is relative to the directory jupyter was started in (its ``PWD``)."""
 
 import base64
+import json
 import os
+import sqlite3
+import statistics
 import subprocess
 import sys
 
@@ -43,7 +46,8 @@ def started_in(tmp_path_factory):
 
 
 def execute(monkeypatch, started: str, dh_run: str, cells: slice = slice(None)):
-    """Run ``cells`` of the notebook in a kernel started in ``examples/``, jupyter started in ``started``."""
+    """Run ``cells`` of the notebook in a kernel started in ``examples/``, jupyter started in ``started``;
+    the executed code cells."""
     # the kernel inherits this environment: the run, where jupyter started, the package from this checkout
     monkeypatch.setenv("DH_RUN", dh_run)
     monkeypatch.setenv("PWD", started)
@@ -54,7 +58,11 @@ def execute(monkeypatch, started: str, dh_run: str, cells: slice = slice(None)):
     client = nbclient.NotebookClient(nb, kernel_name=kernel_name(), timeout=180,
                                      resources={"metadata": {"path": EXAMPLES}})
     client.execute()  # raises CellExecutionError, with the cell and traceback, if any cell raises
-    return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
+def outputs_of(cells) -> list:
+    return [o for c in cells for o in c.outputs]
 
 
 def text_of(outputs) -> str:
@@ -62,11 +70,32 @@ def text_of(outputs) -> str:
                      + o.get("data", {}).get("text/html", "") for o in outputs)
 
 
+def median_recent_ratios(run_dir: str) -> dict[str, float]:
+    """From the index itself: per weight matrix (2-D tensor under ``model/``), the median
+    of its last 10 update ratios; and the run must store those matrices as deltas."""
+    with sqlite3.connect(os.path.join(run_dir, "index.sqlite")) as db:
+        last, = db.execute("SELECT max(step) FROM steps").fetchone()
+        layers = [name for name, shape in db.execute(
+            "SELECT name, shape FROM tensors WHERE step=? AND name LIKE 'model/%' ORDER BY name", (last,))
+            if len(json.loads(shape)) == 2]
+        medians = {}
+        for name in layers:
+            rows = db.execute("SELECT step, encoding, update_ratio FROM tensors WHERE name=? ORDER BY step",
+                              (name,)).fetchall()
+            # 12 steps and a key every 16: a key at step 0, deltas against the step before after it
+            assert [(s, e, r is None) for s, e, r in rows] == [(0, "key", True)] + [
+                (s, "delta", False) for s in range(1, 12)], name
+            medians[name.removeprefix("model/")] = statistics.median([r for _, _, r in rows[-10:]])
+    return medians
+
+
 def test_notebook_executes_as_the_readme_says(started_in, monkeypatch):
-    outputs = execute(monkeypatch, str(started_in), "runs/gpt")
+    cells = execute(monkeypatch, str(started_in), "runs/gpt")
+    outputs = outputs_of(cells)
     assert not [o for o in outputs if o.output_type == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) >= 4  # loss beside a layer's norm, norm trajectories, change heatmap, distributions
+    # loss beside a layer's norm, norm trajectories, change heatmap, update ratios, distributions
+    assert len(images) >= 5
     if os.environ.get("DH_NOTEBOOK_FIGURES"):  # to look at the figures: a folder to write them to
         for i, image in enumerate(images):
             with open(os.path.join(os.environ["DH_NOTEBOOK_FIGURES"], f"figure{i}.png"), "wb") as f:
@@ -76,9 +105,19 @@ def test_notebook_executes_as_the_readme_says(started_in, monkeypatch):
     assert "extra/data/loss" in text and "optim/param_groups/0/lr" in text  # the loss and lr table
     assert "rel_l2" in text and "blocks.0.qkv.weight" in text  # the diff table
 
+    ratios, = [c for c in cells if c.get("id") == "update-ratio-per-layer"]
+    assert [o.output_type for o in ratios.outputs] == ["display_data", "stream"]  # the figure, the table
+    assert ratios.outputs[0].data["image/png"]
+    header, columns, *rows = ratios.outputs[1].text.splitlines()
+    assert (header, columns.split()) == ("median update ratio of the last 10 steps that have one", ["median", "ratio"])
+    printed = {name: float(value) for name, value in (row.split() for row in rows)}
+    want = median_recent_ratios(str(started_in / "runs" / "gpt"))
+    assert len(want) == 3 * 4 + 3  # the tiny GPT's 3 blocks of 4 matrices; tok_emb, pos_emb, head
+    assert printed == {name: pytest.approx(value, rel=1e-4) for name, value in want.items()}
+
 
 def test_notebook_opens_the_run_from_examples_too(started_in, monkeypatch):
     # cd examples && DH_RUN=<relative path to the run> jupyter lab explore_history.ipynb
     relative = os.path.relpath(started_in / "runs" / "gpt", EXAMPLES)
-    outputs = execute(monkeypatch, EXAMPLES, relative, cells=slice(0, 2))  # the introduction and the opening
-    assert f"{os.path.join(EXAMPLES, relative)}: 12 committed steps, 0..11" in text_of(outputs)
+    cells = execute(monkeypatch, EXAMPLES, relative, cells=slice(0, 2))  # the introduction and the opening
+    assert f"{os.path.join(EXAMPLES, relative)}: 12 committed steps, 0..11" in text_of(outputs_of(cells))

@@ -43,10 +43,13 @@ def cli(*args):
     return subprocess.run([sys.executable, "-m", "datastates_hist.cli", *args], capture_output=True, text=True)
 
 
-def make_run(run_dir, backend):
+def make_run(run_dir, backend, codec="delta"):
+    """Steps 1..4 of a model whose weight changes at every step; with ``codec="delta"``,
+    step 1 is stored as keys, step 2 as deltas against step 1, steps 3 and 4 as deltas
+    against the two steps before them."""
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 4)  # weight: 512 bytes
-    with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+    with dh.Checkpointer(run_dir, backend=backend, codec=codec) as ckpt:
         for step in STEPS:
             ckpt.wait_snapshot()
             with torch.no_grad():
@@ -136,21 +139,27 @@ def test_prune_refuses_an_absolute_location_and_changes_nothing(tmp_path, backen
     assert sorted(os.listdir(os.path.join(run_dir, "steps"))) == listing
 
 
-def test_a_location_outside_steps_is_reported_by_verify_and_refused_on_read(tmp_path, backend):
+@pytest.mark.parametrize("codec", ["raw", "delta"])
+def test_a_location_outside_steps_is_reported_by_verify_and_refused_on_read(tmp_path, backend, codec):
     run_dir = str(tmp_path / "run")
-    make_run(run_dir, backend)
+    make_run(run_dir, backend, codec)
     # an intact copy of the unit outside the run, reached by a relative path
     shutil.copytree(os.path.join(run_dir, "steps"), tmp_path / "x")
     crafted = f"../../x/{unit(1, backend)}"
     set_location(run_dir, 1, crafted)
     message = location_message(run_dir, 1, crafted, backend)
 
-    assert [(p.step, p.tensor, p.message) for p in verify_run(run_dir)] == [
-        (1, None, f"its data cannot be opened: {message}")]
+    problems = [(p.step, p.tensor, p.message) for p in verify_run(run_dir)]
+    assert problems[0] == (1, None, f"its data cannot be opened: {message}")
+    if codec == "raw":
+        assert problems == problems[:1]
+    else:  # every later tensor is decoded through step 1, which is refused, not read
+        assert [(s, t) for s, t, _ in problems[1:]] == [(s, r.name) for s in STEPS[1:] for r in records(run_dir, s)]
+        assert all(m.startswith("its delta base at step ") and m.endswith(f"cannot be read: {message}")
+                   for _, _, m in problems[1:])
     out = cli("verify", run_dir, "--json")
     assert out.returncode == 1, out.stderr
-    assert json.loads(out.stdout)["problems"] == [
-        {"step": 1, "tensor": None, "message": f"its data cannot be opened: {message}"}]
+    assert json.loads(out.stdout)["problems"] == [{"step": s, "tensor": t, "message": m} for s, t, m in problems]
     assert_open_refused(run_dir, 1, message)
     with pytest.raises(dh.CorruptionError, match="names '../../x/"):
         dh.open(run_dir).read("model/weight", 1)
@@ -172,7 +181,7 @@ def test_a_location_of_another_step_is_refused(tmp_path, backend):
 
 def test_a_symlinked_unit_is_refused_on_read_and_on_prune_and_its_target_kept(tmp_path, backend):
     run_dir = str(tmp_path / "run")
-    make_run(run_dir, backend)
+    make_run(run_dir, backend, codec="raw")  # raw: no later step is encoded against step 1, prune takes it
     name = unit(1, backend)
     weight = dh.open(run_dir).read("model/weight", 1)
     link = os.path.join(run_dir, "steps", name)
@@ -258,25 +267,37 @@ def test_a_symlinked_rank_file_inside_a_ranks_unit_is_refused(tmp_path, backend)
 
 # --- declared sizes -------------------------------------------------------------------
 
+def stored_arrays(data):
+    """name -> what the step's unit holds for each tensor: its array (raw), or its blob (encoded)."""
+    arrays = {}
+    for rec in data.records.values():
+        if rec.encoding == "raw":
+            t = data.read(rec.name)
+            arrays[rec.name] = t.view(storage_torch_dtype(t.dtype)).numpy()
+        else:
+            arrays[rec.name] = np.empty(rec.stored, np.uint8)
+            data.readers[rec.part].read(rec.name, arrays[rec.name], (0,))
+    return arrays
+
+
 def rewrite_manifest(run_dir, step, edit):
     """Write ``step``'s unit again with its backend's own writer, its tensors as they
-    are and its manifest changed by ``edit(doc)``; the index row takes the new
-    manifest's checksum, as a crafted store would."""
+    are stored (raw, or their blobs) and its manifest changed by ``edit(doc)``; the
+    index row takes the new manifest's checksum, as a crafted store would."""
     store = Store(run_dir)
     try:
         row = store.row(step)
         with store.open_step(step) as data:
             doc = json.loads(data.reader.manifest())
-            arrays = {n: data.read(n) for n in data.records}
+            arrays = stored_arrays(data)
     finally:
         store.close()
-    arrays = {n: t.view(storage_torch_dtype(t.dtype)).numpy() for n, t in arrays.items()}
     backend = get_backend(row.backend)
     remove_tree(os.path.join(run_dir, "steps", row.location))
     writer = backend.begin_step(os.path.join(run_dir, "steps"), step)
     for rec in doc["tensors"]:
         array = np.ascontiguousarray(arrays[rec["name"]])
-        writer.define(rec["name"], array.dtype, array.shape, rec["dtype"])
+        writer.define(rec["name"], array.dtype, array.shape, rec["dtype"] if rec["encoding"] == "raw" else "uint8")
         writer.put(rec["name"], array, (0,) * array.ndim)
     edit(doc)
     manifest = json.dumps(doc, separators=(",", ":")).encode()
@@ -286,6 +307,14 @@ def rewrite_manifest(run_dir, step, edit):
         conn.execute("UPDATE steps SET manifest_checksum=?, location=? WHERE step=?",
                      (checksum_bytes(manifest), location, step))
     conn.close()
+
+
+def records(run_dir, step):
+    store = Store(run_dir)
+    try:
+        return store.records(step)
+    finally:
+        store.close()
 
 
 def weight_record(doc):
@@ -332,12 +361,13 @@ def restore_not_strict(run_dir, step):
     ({"blocks": [{"start": [0, 0], "count": [4, 32], "checksum": "", "part": None}]},
      "tensor 'model/weight' has a malformed block: {'start': [0, 0], 'count': [4, 32], 'checksum': '', "
      "'part': None}"),
-    ({"encoding": "delta"},
-     "tensor 'model/weight' has the encoding 'delta', which this version does not write or read"),
+    ({"encoding": "zstd"},
+     "tensor 'model/weight' has the encoding 'zstd', which this version does not read (it reads raw, key, delta)"),
+    ({"encoding": "delta"}, "tensor 'model/weight' is encoded but records None stored bytes"),
 ])
 def test_crafted_records_are_refused_before_anything_is_allocated(tmp_path, backend, fields, says):
     run_dir = str(tmp_path / "run")
-    make_run(run_dir, backend)
+    make_run(run_dir, backend, codec="raw")
     rewrite_manifest(run_dir, 2, crafted(**fields))
     with pytest.raises(dh.CorruptionError) as caught:
         restore_not_strict(run_dir, 2)
@@ -347,11 +377,121 @@ def test_crafted_records_are_refused_before_anything_is_allocated(tmp_path, back
     assert problems[0].message.endswith(says)
 
 
+# Step 3 of an encoded run: model/weight is a delta against steps 2 and 1, its blob of
+# S bytes one compressed chunk; step 4 is a delta against it. Each case: the record's
+# fields from the stored record ``r``, and what the refusal says (S: the blob's bytes).
+IN_WEIGHT = "tensor 'model/weight': "  # what a chunk table's refusal begins with
+ENCODED_MANIFEST_CASES = [
+    (lambda r: {"chunks": [[512, r["stored"], 1]]}, IN_WEIGHT + "chunk 0: stored raw but stored_len {S} != raw_len 512"),
+    (lambda r: {"chunks": [[512, r["stored"] - 1, 0]]}, IN_WEIGHT + "chunk table stores {S-1} bytes, the blob has {S}"),
+    (lambda r: {"chunks": [[256, r["stored"], 0]]}, IN_WEIGHT + "chunk 0: compressed stored_len {S} is impossible for raw_len 256"),
+    (lambda r: {"chunks": [[2 ** 40, r["stored"], 0]]},
+     IN_WEIGHT + "chunk 0: raw_len 1099511627776 exceeds the chunk size 4194304"),
+    (lambda r: {"chunks": [[512, r["stored"], 0]] * 2}, IN_WEIGHT + "chunk table covers 1024 bytes, the tensor has 512"),
+    (lambda r: {"chunks": str(r["chunks"])}, IN_WEIGHT + "chunk table must be a list, got str"),
+    (lambda r: {"chunks": [[512, r["stored"]]]}, IN_WEIGHT + "chunk 0: entry must be 3 integers [raw_len, stored_len, flag], "
+                                                 "got [512, {S}]"),
+    (lambda r: {"shape": [2 ** 27, 4], "nbytes": 2 ** 31},
+     IN_WEIGHT + "chunk table covers 512 bytes, the tensor has 2147483648"),
+    (lambda r: {"stored": None}, "tensor 'model/weight' is encoded but records None stored bytes"),
+    (lambda r: {"base": None}, "tensor 'model/weight' has the encoding 'delta' and the base None: a delta needs "
+                               "the step it is encoded against, a key none"),
+    (lambda r: {"encoding": "key", "base": None},
+     "tensor 'model/weight' has the bases None and 1: a second base must be a step before the first"),
+    (lambda r: {"base2": 3}, "tensor 'model/weight' has the bases 2 and 3: a second base must be a step before "
+                             "the first"),
+    (lambda r: {"base": -2, "base2": None}, "tensor 'model/weight' has the encoding 'delta' and the base -2: a "
+                                            "delta needs the step it is encoded against, a key none"),
+]
+
+
+def deltas_against(run_dir, step, base):
+    """The tensors of ``step`` stored as deltas against ``base``, in manifest order."""
+    store = Store(run_dir)
+    try:
+        names = [r.name for r in store.records(step) if r.base == base]
+    finally:
+        store.close()
+    assert "model/weight" in names
+    return names
+
+
+def encoded_weight(run_dir, step):
+    """The manifest record of model/weight at ``step`` (checked to be as the cases expect)."""
+    store = Store(run_dir)
+    try:
+        with store.open_step(step) as data:
+            rec = weight_record(json.loads(data.reader.manifest()))
+    finally:
+        store.close()
+    assert (rec["encoding"], rec["base"], rec["base2"], len(rec["chunks"]), rec["chunks"][0][2]) == (
+        "delta", 2, 1, 1, 0) and 32 < rec["stored"] < 512, rec
+    return rec
+
+
+@pytest.mark.parametrize("case", range(len(ENCODED_MANIFEST_CASES)))
+def test_crafted_encoded_records_are_refused_before_anything_is_allocated(tmp_path, backend, case):
+    fields, says = ENCODED_MANIFEST_CASES[case]
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    rec = encoded_weight(run_dir, 3)
+    says = says.replace("{S-1}", str(rec["stored"] - 1)).replace("{S}", str(rec["stored"]))
+    rewrite_manifest(run_dir, 3, crafted(**fields(rec)))
+    with pytest.raises(dh.CorruptionError) as caught:
+        restore_not_strict(run_dir, 3)
+    assert str(caught.value) == f"the manifest of step 3 in {run_dir} is damaged: {says}"
+    problems = verify_run(run_dir)
+    # the tensors of step 4, deltas against step 3, cannot be decoded either, and say why
+    assert [(p.step, p.tensor) for p in problems] == [(3, None)] + [(4, name) for name in deltas_against(run_dir, 4, 3)]
+    assert problems[0].message.endswith(says)
+    assert {p.message for p in problems[1:]} == {
+        f"its delta base at step 3 cannot be read: the manifest of step 3 in {run_dir} is damaged: {says}"}
+
+
+ENCODED_READ_CASES = [
+    ({"base": 4}, "tensor 'model/weight' of step 3 in {run} is a delta against step 4, which is not earlier: "
+                  "the step's data is damaged"),
+    ({"base": 3}, "tensor 'model/weight' of step 3 in {run} is a delta against step 3, which is not earlier: "
+                  "the step's data is damaged"),
+    ({"base": 0, "base2": None}, "a delta of tensor 'model/weight' in {run} is against step 0, which is not "
+                                 "committed: the run is damaged"),
+    ({"chunks": "lie"}, "tensor 'model/weight' of step 3 in {run} cannot be decoded: chunk 0: its header says "
+                        "512 bytes compressed to {S}, the chunk table 508 to {S-4}: the stored data is damaged"),
+]
+
+
+@pytest.mark.parametrize("fields, says", ENCODED_READ_CASES)
+def test_a_crafted_delta_base_or_chunk_header_is_refused_when_the_tensor_is_read(tmp_path, backend, fields, says):
+    """What a record alone cannot tell: its base is a later step, or one not committed;
+    its chunk table disagrees with the chunks' own headers. Refused by name when the
+    tensor is decoded, before its base is read or its chunks decompressed."""
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    rec = encoded_weight(run_dir, 3)
+    if fields == {"chunks": "lie"}:  # the same bytes, cut as two chunks
+        fields = {"chunks": [[508, rec["stored"] - 4, 0], [4, 4, 1]]}
+    says = says.replace("{run}", run_dir).replace("{S-4}", str(rec["stored"] - 4)).replace("{S}", str(rec["stored"]))
+    rewrite_manifest(run_dir, 3, crafted(**fields))
+    conn = sqlite3.connect(os.path.join(run_dir, "index.sqlite"))
+    with conn:  # the index says what the crafted manifest says
+        conn.execute("UPDATE tensors SET base=? WHERE step=3 AND name='model/weight'", (fields.get("base", 2),))
+    conn.close()
+    with pytest.raises(dh.CorruptionError) as caught:
+        restore_not_strict(run_dir, 3)
+    assert str(caught.value) == says
+    problems = verify_run(run_dir)
+    assert [(p.step, p.tensor) for p in problems] == [(3, "model/weight"), (4, "model/weight")]
+    # verify reads an earlier base first, and names it
+    assert problems[0].message == (f"its delta base at step 0 cannot be read: {says}" if fields.get("base") == 0
+                                   else says)
+    assert problems[1].message == f"its delta base at step 3 cannot be read: {says}"
+
+
 def test_sizes_larger_than_the_stored_bytes_fail_before_memory_is_asked_for(tmp_path, backend):
     """Shape and byte count agree, but are more than the unit holds (16 TiB here,
     more than this machine's memory): refused by name, no MemoryError or OverflowError."""
     run_dir = str(tmp_path / "run")
-    make_run(run_dir, backend)
+    make_run(run_dir, backend, codec="raw")
     rewrite_manifest(run_dir, 3, crafted(shape=[2 ** 40, 4], nbytes=2 ** 44))
     with pytest.raises(dh.CorruptionError) as caught:
         restore_not_strict(run_dir, 3)
@@ -362,12 +502,17 @@ def test_sizes_larger_than_the_stored_bytes_fail_before_memory_is_asked_for(tmp_
                                  f"declares {2 ** 44} bytes, more than the {stored} bytes of the step's data")
 
 
-def test_a_restore_of_a_crafted_size_stays_small_in_memory(tmp_path, backend):
-    """2 GiB declared for a 512-byte tensor (shape and bytes agreeing): a non-strict
-    restore in a fresh process fails by name and its peak memory stays far below 2 GiB."""
+@pytest.mark.parametrize("codec", ["raw", "delta"])
+def test_a_restore_of_a_crafted_size_stays_small_in_memory(tmp_path, backend, codec):
+    """2 GiB declared for a 512-byte tensor (shape and bytes agreeing; encoded: a blob
+    of 2 GiB in a chunk table that adds up): a non-strict restore in a fresh process
+    fails by name and its peak memory stays far below 2 GiB."""
     run_dir = str(tmp_path / "run")
-    make_run(run_dir, backend)
-    rewrite_manifest(run_dir, 3, crafted(shape=[2 ** 27, 4], nbytes=2 ** 31))
+    make_run(run_dir, backend, codec)
+    fields = {"shape": [2 ** 27, 4], "nbytes": 2 ** 31}
+    if codec != "raw":
+        fields.update(stored=2 ** 31, chunks=[[4 << 20, 4 << 20, 1]] * 512)
+    rewrite_manifest(run_dir, 3, crafted(**fields))
     script = (
         "import resource, sys, torch, datastates_hist as dh\n"
         "try:\n"

@@ -34,6 +34,9 @@ from datastates_hist.repair import PREVIOUS_INDEX_SUFFIX, repair_run
 from datastates_hist.verify import verify_run
 
 from test_distributed import launch, needs_mpi, restored_lines, trained
+from test_repair_tiers import RESTORE_POINTS, assert_newest_restore_point_restores_bit_exact
+from test_repair_tiers import build_run as build_tiered_run
+from test_repair_tiers import tiers
 
 STEPS = 100
 
@@ -131,6 +134,28 @@ def test_a_killed_repair_leaves_no_step_for_the_next_writer_to_delete(tmp_path, 
     assert not os.path.exists(os.path.join(run_dir, REBUILDING_DIR))
     assert verify_run(run_dir) == []
     assert_restores_bit_exact(run_dir, [0, STEPS // 2, STEPS - 1])
+
+
+@pytest.mark.parametrize("point", ["the new index is begun", LAST_POINT])
+def test_a_killed_repair_of_restore_points_leaves_their_restore_units_to_the_next_writer(tmp_path, backend, point):
+    """Restore units are named by their main unit's row: the next writer keeps them."""
+    run_dir = str(tmp_path / "run")
+    build_tiered_run(run_dir, backend)
+    before = units(run_dir)
+    assert len(before) == 10 + len(RESTORE_POINTS)
+    kill_repair_when(run_dir, point)
+    assert units(run_dir) == before
+    try:
+        with dh.Checkpointer(run_dir) as ckpt:
+            assert ckpt.steps() == list(range(10))
+    except dh.CorruptionError as exc:  # killed between the last renames: no index, so it refuses
+        assert "step(s) of data but no index" in str(exc) and "nothing was changed" in str(exc)
+    assert units(run_dir) == before
+    report = repair_run(run_dir, force=True)
+    assert report.steps == list(range(10)) and not report.set_aside and not report.lost
+    assert {s for s, tier in tiers(run_dir).items() if tier == "restore"} == set(RESTORE_POINTS)
+    assert verify_run(run_dir) == []
+    assert_newest_restore_point_restores_bit_exact(run_dir)
 
 
 def test_the_next_repair_removes_a_half_built_index_and_says_so(tmp_path, backend, module_runs):

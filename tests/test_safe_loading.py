@@ -2,9 +2,12 @@
 
 A real pickle payload (its ``__reduce__`` runs ``exec`` that writes a marker
 file) is planted everywhere a naive loader might unpickle it: as the bytes of
-a tensor, as a bytes value, under pickle-like tags in values, as ``.pkl`` and
-``.pt`` files in the run, as a step unit the index points to, and inside a
-crafted HDF5 step whose manifest is valid. ``restore``, ``Store``, the CLI
+a tensor (stored as a key and as a delta, in a restore point's two units and
+in a trajectory point), as a bytes value, under pickle-like tags in values, as
+``.pkl`` and ``.pt`` files in the run, as a step unit the index points to,
+inside a crafted HDF5 step whose manifest is valid, and inside a crafted
+encoded step (a compressed key and a chunk stored raw, both decompressing to
+the payload, and a delta against the crafted step). ``restore``, ``Store``, the CLI
 (``ls``, ``show``, ``verify``, ``repair``), ``dh.open`` and the xarray engine
 then read it all; the marker never appears, and an audit hook sees no
 unpickling at all (``pickle.find_class`` and calls of ``pickle.load(s)``,
@@ -24,6 +27,7 @@ import pytest
 import torch
 
 import datastates_hist as dh
+from datastates_hist.codecs import Encoder
 from datastates_hist.commit import manifest_bytes
 from datastates_hist.digest import checksum_bytes
 from datastates_hist.index import Index, StepRow
@@ -54,10 +58,15 @@ def test_the_payload_is_live(tmp_path):
 
 
 def plant_in_a_written_run(run_dir, marker, backend):
-    """A run written through the API, carrying the payload as data, plus stray pickle files."""
+    """A run written through the API, carrying the payload as data, plus stray pickle files.
+
+    Encoded as by default, with a history: step 1 a restore point (the payload, a
+    trajectory tensor, a delta against step 0 in its main unit; the optimizer's in its
+    restore unit), step 0 a trajectory point (its restore unit demoted away)."""
     blob = payload(marker)
     model = torch.nn.Linear(4, 3)
-    with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+    with dh.Checkpointer(run_dir, backend=backend, keep=dh.KeepLast(1),
+                         trajectory=dh.Trajectory("model/*", "extra/blob")) as ckpt:
         for step in range(2):
             ckpt.write(step, model, torch.optim.SGD(model.parameters(), lr=0.1),
                        blob=torch.frombuffer(bytearray(blob), dtype=torch.uint8),
@@ -90,6 +99,37 @@ def plant_crafted_steps(run_dir, marker):
     index.commit_step(StepRow(5, 0.0, "hdf5", "000000000005.h5", len(blob), 1, "full",
                               checksum_bytes(manifest)), records)
     index.commit_step(StepRow(6, 0.0, "hdf5", "000000000006.h5", 0, 0, "full", checksum_bytes(blob)), [])
+    index.close()
+
+
+def encoded(data: np.ndarray, base: np.ndarray | None = None):
+    """``(stored bytes, chunk table)`` of uint8 ``data`` as a key, or as a delta against ``base``."""
+    encoder = Encoder("uint8", delta=base is not None)
+    encoder.add(data, base)
+    blob, chunks, _ = encoder.finish()
+    return blob, chunks
+
+
+def plant_crafted_encoded_step(run_dir, marker):
+    """Step 7 added by hand: a valid HDF5 step of encoded tensors whose decoded bytes are
+    the payload: ``model/weight`` a delta against step 5's (the payload), ``extra/key`` a
+    key stored raw (incompressible), ``extra/packed`` a compressed key of the payload
+    repeated."""
+    blob = np.frombuffer(payload(marker), np.uint8)
+    tensors = {"model/weight": (blob, *encoded(blob, base=blob), 5), "extra/key": (blob, *encoded(blob), None),
+               "extra/packed": (np.tile(blob, 64), *encoded(np.tile(blob, 64)), None)}
+    records = [TensorRecord(name, "uint8", (len(raw),), len(raw), checksum_bytes(raw),
+                            "key" if base is None else "delta", stored=len(stored), chunks=chunks, base=base)
+               for name, (raw, stored, chunks, base) in tensors.items()]
+    assert [r.chunks[0][2] for r in records] == [0, 1, 0]  # compressed, stored raw, compressed
+    manifest = manifest_bytes(7, records, {"items": {}, "objects": {"model": "ModuleProvider"}})
+    with h5py.File(os.path.join(run_dir, "steps", "000000000007.h5"), "w") as f:
+        f.create_dataset("__manifest__", data=np.frombuffer(manifest, dtype=np.uint8))
+        for name, (_raw, stored, _chunks, _base) in tensors.items():
+            f.create_dataset(name, data=stored)
+    index = Index(run_dir, create=True)
+    index.commit_step(StepRow(7, 0.0, "hdf5", "000000000007.h5", sum(r.nbytes for r in records), len(records),
+                              "full", checksum_bytes(manifest)), records)
     index.close()
 
 
@@ -164,14 +204,24 @@ def test_no_load_path_runs_a_planted_pickle(tmp_path, backend):
     run_dir, marker = str(tmp_path / "run"), tmp_path / "pwned"
     blob = plant_in_a_written_run(run_dir, marker, backend)
     plant_crafted_steps(run_dir, marker)
-    events, results = read_everything(run_dir, [0, 1, 5, 6])
+    plant_crafted_encoded_step(run_dir, marker)
+    with dh.open(run_dir) as h:  # the written steps are encoded, in both tiers
+        assert h.restore_points == [1, 5, 6, 7]
+        assert h.tensors(0).set_index("name")["encoding"].to_dict() == {
+            "extra/blob": "key", "model/bias": "key", "model/weight": "key"}
+        assert h.tensors(1).set_index("name")["encoding"]["extra/blob"] == "delta"
+        assert set(h.tensors(1).set_index("name")["encoding"]) == {"key", "delta"}
+    events, results = read_everything(run_dir, [0, 1, 5, 6, 7])
     assert not marker.exists()
     assert events == []  # nothing was even unpickled
-    for step in (0, 1):  # the written steps read normally, the payload as plain data
+    for step in (0, 1, 7):  # the written and encoded steps read normally, the payload as plain data
         for what in ("store", "restore", "history", "cli show"):
             assert results[f"{what} {step}"][0] == "ok", results[f"{what} {step}"]
     assert results["xarray"][0] == "ok", results["xarray"]
-    assert "'extra/blob': torch.Size([%d])" % len(blob) in results["store 1"][1]
+    for step in (0, 1):
+        assert "'extra/blob': torch.Size([%d])" % len(blob) in results[f"store {step}"][1]
+    assert results["store 7"][1] == ("{'model/weight': torch.Size([%d]), 'extra/key': torch.Size([%d]), "
+                                     "'extra/packed': torch.Size([%d])}" % (len(blob), len(blob), 64 * len(blob)))
     # the crafted steps: 5 reads as bytes and dicts of strings, 6 is named as damaged
     assert results["store 5"][0] == "ok" and results["history 5"][0] == "ok"
     assert results["restore 5"][0] == "ok"

@@ -1,11 +1,15 @@
 """Crash torture, short: processes really killed with SIGKILL in every phase of a checkpoint.
 
-``tools/torture.py`` runs the same with 100 kills. Here each backend gets 12
-kills, aimed in turn at the snapshot copy, the flush, the publish (fsync and
-rename), the index commit, retention (prune and truncate), the opening of the
-run (restore and verify), and a random moment. After each kill a new process
-restores the newest committed step, verifies every checksum of the run and
-resumes writing; no committed step may be lost.
+``tools/torture.py`` runs the same with 100 kills. Here each backend gets one
+kill aimed at each of the snapshot copy, the flush, the publish (fsync and
+rename), the index commit, retention (prune and truncate; with policies,
+demotion), the opening of the run (restore and verify), and a random moment:
+once with a child that prunes and truncates, once with a child whose
+Checkpointer keeps a history by policies (``--policies``: ``KeepLast(2) |
+KeepEvery(25)``, a trajectory of the model, deltas). After each kill a new
+process restores the newest committed step, verifies every checksum of the run
+(decoding every delta chain) and resumes writing; no committed step may be
+lost, and with policies every step's model tensors are the values written.
 
 Then, on a run of its own, each of ``repair``, ``prune`` and ``close()`` is
 killed a few times (``tools/torture.py --during repair,prune,close`` runs 100
@@ -24,11 +28,12 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import torture  # noqa: E402
 
-KILLS = 12
+KILLS = len(torture.TARGETS)  # each phase once
 
 
-def test_sigkill_at_every_phase_loses_no_committed_step(tmp_path, backend):
-    run = torture.Torture(str(tmp_path / "run"), backend, seed=1)
+@pytest.mark.parametrize("policies", [False, True], ids=["prune", "policies"])
+def test_sigkill_at_every_phase_loses_no_committed_step(tmp_path, backend, policies):
+    run = torture.Torture(str(tmp_path / "run"), backend, seed=1, policies=policies)
     ok = run.run(KILLS)
     summary = run.summary()
     assert ok and run.failures == [], summary
@@ -40,6 +45,10 @@ def test_sigkill_at_every_phase_loses_no_committed_step(tmp_path, backend):
     assert run.verified > 0 and len(run.final_steps) >= 3
     landed = set(run.landed) - {"between phases"}
     assert len(landed) >= 4, summary  # the kills really hit the phases they aimed at
+    if policies:  # retention demoted the older steps; the newest restores
+        assert run.final_steps[-1] in run.final_restore_points, summary
+        assert len(run.final_restore_points) < len(run.final_steps), summary
+        assert run.model_checksums > 0, summary
 
 
 OP_KILLS = 3

@@ -43,7 +43,19 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, ROOT)
 
-E2E_CONFIGS = ("none", "bytes.write", "torch.save", "dcp.async_save", "dh-adios2", "dh-hdf5")
+E2E_CONFIGS = ("none", "bytes.write", "torch.save", "dcp.async_save", "dh-adios2", "dh-adios2-raw",
+               "dh-adios2-history", "dh-hdf5", "dh-hdf5-raw")
+
+
+def dh_options(config: str) -> tuple[str, dict]:
+    """``dh-BACKEND[-raw|-key|-history]`` -> (backend, Checkpointer options): the default codec
+    (deltas, every step kept), raw or key-only storage, or the quickstart's history policies."""
+    import datastates_hist as dh
+
+    backend, _, variant = config[3:].partition("-")
+    if variant == "history":
+        return backend, {"keep": dh.KeepLast(2) | dh.KeepEvery(1000), "trajectory": dh.Trajectory("model/*")}
+    return backend, ({"codec": variant} if variant else {})
 
 
 def write_bytes(tensors: list, path: str) -> None:
@@ -107,8 +119,9 @@ def e2e_child(config: str, target: str, size: str, steps: int, warmup: int, cach
     if config.startswith("dh-"):
         import datastates_hist as dh
 
-        backend = throttled(config[3:], slow_mb_per_s) if slow_mb_per_s else config[3:]
-        ckpt = dh.Checkpointer(target, backend=backend, host_cache_bytes=cache_mb << 20)
+        backend, options = dh_options(config)
+        backend = throttled(backend, slow_mb_per_s) if slow_mb_per_s else backend
+        ckpt = dh.Checkpointer(target, backend=backend, host_cache_bytes=cache_mb << 20, **options)
     if config.startswith("dcp"):
         import warnings
 
@@ -152,7 +165,12 @@ def e2e_child(config: str, target: str, size: str, steps: int, warmup: int, cach
     drain = time.perf_counter() - d0
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
     return {"step_s": statistics.median(step_times), "step_p95_s": sorted(step_times)[int(0.95 * (len(step_times) - 1))],
-            "blocked_s": statistics.mean(blocked), "drain_s": drain, "state_bytes": nbytes, "rss_mb": peak_rss_mb()}
+            "blocked_s": statistics.mean(blocked), "drain_s": drain, "state_bytes": nbytes, "rss_mb": peak_rss_mb(),
+            "stored_bytes": tree_bytes(target) / steps}
+
+
+def tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
 def flush_child(config: str, target: str, total_mb: int, cache_mb: int) -> dict:
@@ -168,7 +186,8 @@ def flush_child(config: str, target: str, total_mb: int, cache_mb: int) -> dict:
     import datastates_hist as dh
 
     tensors = {f"t{i}": torch.randn(16 << 20 >> 2) for i in range(total_mb // 16)}  # 16 MB each
-    ckpt = dh.Checkpointer(target, backend=config[3:], host_cache_bytes=cache_mb << 20)
+    backend, options = dh_options(config)
+    ckpt = dh.Checkpointer(target, backend=backend, host_cache_bytes=cache_mb << 20, **options)
     seconds = []
     for step in range(2):  # the first checkpoint of a process also faults the host cache in
         t0 = time.perf_counter()
@@ -223,7 +242,8 @@ def restore_child(config: str, target: str, size: str) -> dict:
     else:
         import datastates_hist as dh
 
-        with dh.Checkpointer(target, backend=config[3:]) as ckpt:
+        backend, options = dh_options(config)
+        with dh.Checkpointer(target, backend=backend, **options) as ckpt:
             ckpt.write(0, model, opt)
         t0 = time.perf_counter()
         with dh.Checkpointer(target) as ckpt:
@@ -282,7 +302,8 @@ def bench_e2e(args, targets, configs) -> list[dict]:
                          "blocked_vs_torch_save": (med(rs, "blocked_s") / save
                                                    if save and config != "none" else None),
                          "drain_ms": med(rs, "drain_s") * 1e3, "peak_rss_mb": med(rs, "rss_mb"),
-                         "state_mb": rs[0]["state_bytes"] / 1e6})
+                         "state_mb": rs[0]["state_bytes"] / 1e6,
+                         "stored_mb_per_step": med(rs, "stored_bytes") / 1e6})
     return rows
 
 
@@ -321,7 +342,7 @@ def bench_slow(args, targets, backends) -> list[dict]:
 
 
 def bench_restore(args, targets, backends) -> list[dict]:
-    configs = ["torch.load", "dcp.load"] + [f"dh-{b}" for b in backends]
+    configs = ["torch.load", "dcp.load"] + [f"dh-{b}{v}" for b in backends for v in ("", "-raw")]
     results = collect("restore", configs, targets, args)
     rows = []
     for target in targets:

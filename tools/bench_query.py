@@ -2,12 +2,16 @@
 
 Trains the example GPT (examples/train_gpt.py) for a few steps, then for 50
 more steps writes, after every step, the same state (model and optimizer) both
-to a datastates-hist history (each backend asked for) and to one
-``torch.save`` file. Then, in the same process and with repetitions, times
-getting one tensor at all 50 steps as one numpy array:
+to a datastates-hist history (each backend and codec asked for: ``raw``, and
+``delta``, the default, whose steps are stored as deltas of the step before)
+and to one ``torch.save`` file. Then, in the same process and with
+repetitions, times getting one tensor at all 50 steps as one numpy array:
 
-- ``h.to_xarray(name).values`` on a freshly opened history (each backend);
-- the same restricted to the first 8 rows (only those bytes are read);
+- ``h.to_xarray(name).values`` on a freshly opened history (each backend and codec);
+- the same restricted to the first 8 rows (only those bytes are read; a delta's
+  whole tensor is decoded);
+- ``h.read(name, step)`` of one step in the middle, on a freshly opened history
+  (a delta decodes its chain back to the last key step);
 - ``torch.load`` of each of the 50 files, picking the tensor;
 - ``torch.load(..., mmap=True)`` of each file, picking the tensor (its bytes copied).
 
@@ -51,8 +55,8 @@ def build(root: str, args) -> tuple[dict[str, str], list[str]]:
     model = train_gpt.build_model(args.size, block_size=args.block_size)
     opt = train_gpt.make_optimizer(model, 1e-3)
     corpus = train_gpt.load_corpus(2 << 20)
-    runs = {b: os.path.join(root, f"dh-{b}") for b in args.backends}
-    ckpts = [dh.Checkpointer(path, backend=b) for b, path in runs.items()]
+    runs = {f"{b} {c}": os.path.join(root, f"dh-{b}-{c}") for b in args.backends for c in args.codecs}
+    ckpts = [dh.Checkpointer(path, backend=label.split()[0], codec=label.split()[1]) for label, path in runs.items()]
     pt_dir = os.path.join(root, "torch-save")
     os.makedirs(pt_dir)
     files = []
@@ -86,6 +90,11 @@ def via_torch_load(files: list[str], name: str, mmap: bool = False, rows: int | 
     return np.stack(out)  # copies: with mmap=True this is where the bytes are read
 
 
+def one_step(run: str, name: str, step: int) -> np.ndarray:
+    with dh.open(run) as h:
+        return h.read(name, step).numpy()
+
+
 def size_of(path: str) -> int:
     if os.path.isfile(path):
         return os.path.getsize(path)
@@ -101,6 +110,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--tensor", default="blocks.0.qkv.weight", help="model tensor to read")
     p.add_argument("--backends", nargs="+", default=["adios2", "hdf5"])
+    p.add_argument("--codecs", nargs="+", default=["raw", "delta"], choices=["raw", "key", "delta"])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the written files")
@@ -117,10 +127,12 @@ def main(argv=None) -> None:
         print(f"tensor {name} {list(shape)} float32; one torch.save file {size_of(files[0]) / 1e6:.1f} MB; "
               + "; ".join(f"{b} history {size_of(r) / 1e6 / args.steps:.1f} MB per step"
                           for b, r in runs.items()))
+        middle = args.warmup + args.steps // 2
         methods = {}
         for b, run in runs.items():
             methods[f"dh {b}: h.to_xarray(name).values"] = lambda run=run: via_xarray(run, full)
             methods[f"dh {b}: h.to_xarray(name)[:, :8].values"] = lambda run=run: via_xarray(run, full, 8)
+            methods[f"dh {b}: h.read(name, {middle})"] = lambda run=run: one_step(run, full, middle)
         load_plain = f"torch.load x{args.steps}, pick the tensor"
         load_mmap = f"torch.load(mmap=True) x{args.steps}, pick the tensor"
         methods[load_plain] = lambda: via_torch_load(files, name)
@@ -129,7 +141,8 @@ def main(argv=None) -> None:
         want = via_torch_load(files, name)
         for label, fn in methods.items():  # every method gives the same numbers (and warms up)
             got = fn()
-            assert np.array_equal(got, want[:, :8] if "[:, :8]" in label else want), label
+            expected = want[:, :8] if "[:, :8]" in label else want[args.steps // 2] if "h.read" in label else want
+            assert np.array_equal(got, expected), label
         times = {label: [] for label in methods}
         order = list(methods)
         for rep in range(args.reps):
@@ -154,6 +167,14 @@ def main(argv=None) -> None:
         for b in runs:
             for label in (load_plain, load_mmap):
                 print(f"ratio {label} / dh {b} to_xarray: {med[label] / ref[b]:.1f}")
+        for backend in args.backends:
+            for codec in args.codecs:
+                if codec == "raw" or "raw" not in args.codecs:
+                    continue
+                enc, raw = f"{backend} {codec}", f"{backend} raw"
+                for what in ("h.to_xarray(name).values", f"h.read(name, {middle})"):
+                    print(f"ratio {codec} / raw, {backend}, {what}: "
+                          f"{med[f'dh {enc}: {what}'] / med[f'dh {raw}: {what}']:.2f}")
     finally:
         if args.keep:
             print(f"kept {root}")

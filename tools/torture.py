@@ -14,6 +14,17 @@ the kill is still committed after it, unless the child was removing it on
 purpose), the newest step restores with its own values, no data is left that
 no index row names, and no checksum fails. Zero failures are allowed.
 
+With ``--policies`` the child's Checkpointer keeps a history instead:
+``keep=KeepLast(2) | KeepEvery(25)``, ``trajectory=Trajectory("model/*")`` and
+the default codec (deltas), so retention demotes restore points to trajectory
+points on the flusher thread after every commit; the child neither prunes nor
+truncates. Checked besides: every committed step stays committed (a trajectory
+of every step removes none), the model tensors of every committed step are
+stored with the checksums of the values written (the child journals them;
+verify decodes every delta chain against them), every unit on disk is one that
+an index row names (a step's main unit, and a restore point's restore unit),
+and the newest step is a restore point.
+
 With ``--during repair,prune,close`` a child is killed instead while it runs
 ``repair_run(force=True)`` (building the new index, swapping it in, or at a
 random moment), ``prune`` (deleting rows, deleting data, or at random), or
@@ -26,6 +37,7 @@ a close, every step committed at the kill is still committed, and when close
 returned before the kill, every write issued before it is committed.
 
     python tools/torture.py --kills 100 --backend adios2
+    python tools/torture.py --kills 100 --backend adios2 --policies
     python tools/torture.py --kills 100 --during repair,prune,close
 
 Children are forked from a forkserver that has imported torch and the library
@@ -96,6 +108,7 @@ def _instrument(shared: mmap.mmap) -> None:
     mark(StagedStepWriter, "publish", "publish")
     mark(Index, "commit_step", "index commit")
     mark(retention, "remove_steps", "retention")
+    mark(retention, "demote_steps", "retention")
     mark(repair, "repair_run", "repair")
     mark(repair, "_build_aside", "repair build")
     mark(repair, "_swap_in", "repair swap")
@@ -126,14 +139,53 @@ def train_step(model, opt) -> None:
     opt.zero_grad()
 
 
+def history_policies() -> dict:
+    """The Checkpointer arguments of ``--policies``: a history kept by retention."""
+    import datastates_hist as dh
+
+    return dict(keep=dh.KeepLast(2) | dh.KeepEvery(25), trajectory=dh.Trajectory("model/*"))
+
+
+def named_units(index) -> list[str]:
+    """The units the index rows name: each step's, and a restore point's restore unit."""
+    from datastates_hist.layout import restore_unit
+
+    return sorted([r.location for r in index.step_rows()] +
+                  [restore_unit(r.location) for r in index.step_rows() if r.tier == "restore"])
+
+
+def journal_written(journal: str, step: int, model) -> None:
+    """Say in the journal which values of the model's tensors step ``step`` writes."""
+    import torch
+
+    from datastates_hist.digest import checksum_bytes
+
+    sums = {f"model/{name}": checksum_bytes(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+            for name, t in model.state_dict().items()}
+    with open(journal, "a") as f:
+        f.write(json.dumps({"written": step, "model": sums}) + "\n")
+
+
+def run_state(run_dir: str, index, policies: bool) -> dict:
+    """What the parent checks of a run: its steps, restore points, units on disk and
+    those the index names, and (``policies``) the model tensors' checksums per step."""
+    rows = index.step_rows()
+    return {"steps": [r.step for r in rows], "restore_points": [r.step for r in rows if r.tier != "trajectory"],
+            "units": sorted(os.listdir(os.path.join(run_dir, "steps"))), "named": named_units(index),
+            "model": {r.step: {t.name: t.checksum for t in index.records(r.step) if t.name.startswith("model/")}
+                      for r in rows} if policies else {}}
+
+
 def child_main(run_dir: str, backend: str, shared_path: str, journal: str, reports: str,
-               seed: int, max_writes: int | None, branch: bool = True) -> None:
+               seed: int, max_writes: int | None, branch: bool = True, policies: bool = False) -> None:
     """Open the run, restore the newest step, verify everything, then train and checkpoint
-    (pruning now and then, and, if ``branch``, truncating the newest steps now and then)."""
+    (pruning now and then, and, if ``branch``, truncating the newest steps now and then;
+    with ``policies``, retention keeps the history instead, see :func:`history_policies`)."""
     import torch
 
     import datastates_hist as dh
-    from datastates_hist.retention import doomed, policies
+    from datastates_hist.retention import doomed
+    from datastates_hist.retention import policies as rules
     from datastates_hist.verify import verify_run
 
     torch.set_num_threads(1)
@@ -141,10 +193,10 @@ def child_main(run_dir: str, backend: str, shared_path: str, journal: str, repor
     _instrument(shared)
     shared[SLOT["startup"]] = 1
     model, opt = make_model(seed)
-    ckpt = dh.Checkpointer(run_dir, backend=backend, host_cache_bytes=64 << 10, piece_bytes=8 << 10)
+    ckpt = dh.Checkpointer(run_dir, backend=backend, host_cache_bytes=64 << 10, piece_bytes=8 << 10,
+                           **(history_policies() if policies else {}))
     steps = ckpt.steps()
-    report = {"pid": os.getpid(), "steps": steps, "restored": None, "value": None,
-              "units": sorted(os.listdir(os.path.join(run_dir, "steps")))}
+    report = {"pid": os.getpid(), "restored": None, "value": None, **run_state(run_dir, ckpt.index, policies)}
     if steps:
         restored = ckpt.restore(model=model, optimizer=opt)
         report["restored"], report["value"] = restored.step, restored.extra.get("data")
@@ -158,14 +210,16 @@ def child_main(run_dir: str, backend: str, shared_path: str, journal: str, repor
     step, writes = (steps[-1] + 1 if steps else 0), 0
     while max_writes is None or writes < max_writes:
         train_step(model, opt)
+        if policies:
+            journal_written(journal, step, model)
         ckpt.write(step, model, opt, data={"step": step})
         writes += 1
         struct.pack_into("<i", shared, WRITES_AT, writes)
-        if step % PRUNE_EVERY == PRUNE_EVERY - 1:
+        if not policies and step % PRUNE_EVERY == PRUNE_EVERY - 1:
             ckpt.wait()
-            _retention(journal, doomed(ckpt.steps(), policies(KEEP_LAST, KEEP_EVERY)),
+            _retention(journal, doomed(ckpt.steps(), rules(KEEP_LAST, KEEP_EVERY)),
                        lambda: ckpt.prune(keep_last=KEEP_LAST, keep_every=KEEP_EVERY))
-        if branch and step % TRUNCATE_EVERY == TRUNCATE_EVERY - 1:
+        if branch and not policies and step % TRUNCATE_EVERY == TRUNCATE_EVERY - 1:
             ckpt.wait()  # branch: drop the two newest steps and write them again
             after = step - 2
             _retention(journal, [s for s in ckpt.steps() if s > after], lambda: ckpt.truncate(after=after))
@@ -220,8 +274,8 @@ class Torture:
 
     targets = TARGETS  # where the kills aim, in turn
 
-    def __init__(self, run_dir: str, backend: str, seed: int = 0):
-        self.run_dir, self.backend = run_dir, backend
+    def __init__(self, run_dir: str, backend: str, seed: int = 0, policies: bool = False):
+        self.run_dir, self.backend, self.policies = run_dir, backend, policies
         self.rng = random.Random(seed)
         work = os.path.dirname(os.path.abspath(run_dir))
         self.shared_path = os.path.join(work, "torture.shared")
@@ -242,12 +296,14 @@ class Torture:
         self.restores = self.verified = self.lost = self.children = 0
         self.failures: list[str] = []
         self.seen_reports = 0
+        self.model_checksums = 0  # model tensors of committed steps compared with what was written
+        self.final_restore_points: list[int] = []
 
     def _start(self, max_writes: int | None = None, branch: bool = True):
         self.shared[:] = b"\0" * 64
         child = self.ctx.Process(target=child_main, args=(
             self.run_dir, self.backend, self.shared_path, self.journal, self.reports,
-            self.children, max_writes, branch))
+            self.children, max_writes, branch, self.policies))
         child.start()
         self.children += 1
         return child
@@ -294,12 +350,27 @@ class Torture:
             if steps and (report["restored"] != steps[-1] or report["value"] != {"step": steps[-1]}):
                 self.failures.append(f"pid {report['pid']}: restored {report['restored']} "
                                      f"{report['value']} but the newest step is {steps[-1]}")
-            if len(report["units"]) != len(steps):
-                self.failures.append(f"pid {report['pid']}: {len(report['units'])} units for "
-                                     f"{len(steps)} committed steps after opening")
+            self._check_state(f"pid {report['pid']} after opening", report)
             self.restores += report["restored"] is not None
             self.verified += report["tensors_verified"]
         self.seen_reports = len(lines)
+
+    def _check_state(self, when: str, state: dict) -> None:
+        """The units on disk are those the index names; with policies, the newest step is a
+        restore point and every committed step's model tensors are the values written."""
+        if state["units"] != state["named"]:
+            self.failures.append(f"{when}: units no index row names {sorted(set(state['units']) - set(state['named']))}"
+                                 f", named but missing {sorted(set(state['named']) - set(state['units']))}")
+        if not self.policies or not state["steps"]:
+            return
+        if state["steps"][-1] not in state["restore_points"]:
+            self.failures.append(f"{when}: the newest step {state['steps'][-1]} is no restore point "
+                                 f"(restore points {state['restore_points'][-5:]})")
+        written = {str(j["written"]): j["model"] for j in self._journal() if "written" in j}
+        for step, sums in state["model"].items():
+            if written.get(str(step)) != sums:
+                self.failures.append(f"{when}: the model tensors of step {step} are not the values written")
+            self.model_checksums += len(sums)
 
     def kill_once(self, target: str) -> None:
         child = self._start()
@@ -351,7 +422,15 @@ class Torture:
         problems = verify_run(self.run_dir)
         if problems:
             self.failures.append(f"final verify: {[str(p) for p in problems[:3]]}")
-        self.final_steps = self._committed()
+        from datastates_hist.index import Index
+
+        index = Index(self.run_dir)
+        try:
+            state = run_state(self.run_dir, index, self.policies)
+        finally:
+            index.close()
+        self._check_state("at the end", state)
+        self.final_steps, self.final_restore_points = state["steps"], state["restore_points"]
 
     def run(self, kills: int) -> bool:
         for k in range(kills):
@@ -361,12 +440,17 @@ class Torture:
 
     def summary(self) -> str:
         lines = [
-            f"torture: backend {self.backend}, run {self.run_dir}",
+            f"torture: backend {self.backend}, run {self.run_dir}"
+            + (", policies KeepLast(2) | KeepEvery(25), Trajectory('model/*'), deltas" if self.policies else ""),
             f"kills: {sum(self.kills.values())} (SIGKILL), targeted at: "
             + ", ".join(f"{t} {self.kills[t]}" for t in TARGETS),
             "  phases the child was in at the kill: "
             + ", ".join(f"{p} {n}" for p, n in sorted(self.landed.items(), key=lambda x: -x[1])),
         ]
+        if self.policies:
+            lines.append(f"restore points at the end: {len(self.final_restore_points)} "
+                         f"({', '.join(map(str, self.final_restore_points[-4:]))}); model tensors compared "
+                         f"with the values written: {self.model_checksums}")
         return "\n".join(lines + self._outcome_lines())
 
     def _outcome_lines(self) -> list[str]:
@@ -496,6 +580,9 @@ def main(argv=None) -> int:
     p.add_argument("--backend", choices=["adios2", "hdf5", "both"], default="both")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", help="where to put the run (default: a temporary folder, removed after)")
+    p.add_argument("--policies", action="store_true",
+                   help="the writer keeps a history: KeepLast(2) | KeepEvery(25), Trajectory('model/*'), "
+                        "deltas (with --during write)")
     p.add_argument("--during", default="write",
                    help="comma-separated: write (every phase of a checkpoint, the default), repair, prune, "
                         "close; each gets --kills kills on its own run")
@@ -504,13 +591,15 @@ def main(argv=None) -> int:
     unknown = set(during) - {"write", *OP_TARGETS}
     if unknown:
         p.error(f"--during: unknown {', '.join(sorted(unknown))} (choose from write, {', '.join(OP_TARGETS)})")
+    if args.policies and "write" not in during:
+        p.error("--policies: the writer's policies apply to --during write")
     ok = True
     backends = ["adios2", "hdf5"] if args.backend == "both" else [args.backend]
     for backend, op in itertools.product(backends, during):
         work = tempfile.mkdtemp(prefix=f"torture-{op}-{backend}-", dir=args.dir)
         t0 = time.monotonic()
         run = os.path.join(work, "run")
-        torture = (Torture(run, backend, seed=args.seed) if op == "write"
+        torture = (Torture(run, backend, seed=args.seed, policies=args.policies) if op == "write"
                    else OperationTorture(run, backend, op, seed=args.seed))
         ok &= torture.run(args.kills)
         print(torture.summary())

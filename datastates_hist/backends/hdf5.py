@@ -13,7 +13,10 @@ appends new files. h5py releases the GIL inside its reads and writes.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import functools
+import math
 import os
 
 import h5py
@@ -46,6 +49,21 @@ def _file_type(dtype: np.dtype):
     return h5py.h5t.py_create(dtype)
 
 
+RESERVE_MARGIN = 64 << 10  # for the metadata of a dataset (and the file's, at the start)
+_FALLOCATE_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+
+
+def reserve_space(fd: int, offset: int, nbytes: int) -> None:
+    """fallocate(2) ``nbytes`` at ``offset`` of ``fd`` (ENOSPC raised as OSError). A file
+    system that cannot reserve space is left alone (posix_fallocate would write zeros)."""
+    if _libc.fallocate(fd, 0, offset, nbytes) != 0:
+        err = ctypes.get_errno()
+        if err not in _FALLOCATE_UNSUPPORTED:
+            raise OSError(err, f"cannot reserve {nbytes} bytes for an HDF5 step file: {os.strerror(err)}")
+
+
 def _box(start, count) -> tuple:
     return tuple(slice(s, s + c) for s, c in zip(start, count))
 
@@ -59,11 +77,21 @@ class HDF5StepWriter(StagedStepWriter):
     def __init__(self, final: str, step: int):
         super().__init__(final)
         self.file = h5py.File(self.tmp, "w", libver="latest")
+        self.reserved = 0
+        self._reserve(RESERVE_MARGIN)
         self.file.attrs["step"] = step
         self.datasets: dict[str, tuple[h5py.h5d.DatasetID, tuple]] = {}
 
+    def _reserve(self, nbytes: int) -> None:
+        """Allocate disk space for what is about to be written: the HDF5 library cannot
+        recover from a write of its metadata that fails for want of space (closing the
+        file then crashes it), so a full disk must fail here, in a clean OSError."""
+        reserve_space(self.file.id.get_vfd_handle(), self.reserved, nbytes)
+        self.reserved += nbytes
+
     def define(self, name, dtype, shape, real_dtype, block=None):
         shape = tuple(shape)
+        self._reserve(math.prod(shape) * np.dtype(dtype).itemsize + RESERVE_MARGIN)
         space = h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
         dsid = h5py.h5d.create(self.file.id, name.encode(), _file_type(np.dtype(dtype)), space,
                                lcpl=_LINK_CREATE)
@@ -91,7 +119,8 @@ class HDF5StepWriter(StagedStepWriter):
 
     def close_files(self):
         self.datasets.clear()
-        self.file.close()
+        self.file.close()  # gives back the space reserved and not used (truncated to its end)
+
 
 
 class HDF5StepReader(StepReader):

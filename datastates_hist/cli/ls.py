@@ -1,6 +1,9 @@
 """``datastates-hist ls RUN``: the committed steps of a run.
 
-Reads only the index (no tensor reader, no torch), so it prints at once.
+Each step's kind (``restore``: a step restore() reads back; ``trajectory``: a
+step that keeps only the trajectory's tensors) and its tensor bytes, as they
+are and as stored. Reads only the index (no tensor reader, no torch), so it
+prints at once.
 """
 
 from __future__ import annotations
@@ -13,7 +16,12 @@ from .output import add_json_flag, emit, size, when
 
 
 def add_parser(sub):
-    cmd = sub.add_parser("ls", help="list the committed steps of a run")
+    return add_run_command(sub, "ls", "list the committed steps of a run")
+
+
+def add_run_command(sub, name: str, help_text: str):
+    """The parser of a command that reads one run: ``RUN [--json]``."""
+    cmd = sub.add_parser(name, help=help_text)
     cmd.add_argument("run", help="the run directory")
     add_json_flag(cmd)
     return cmd
@@ -23,13 +31,31 @@ def run(args) -> int:
     index = open_index(args.run)
     try:
         rows = index.step_rows()
+        stored = stored_by_step(index)
     finally:
         index.close()
-    data = [{"step": r.step, "time": r.time, "bytes": r.nbytes, "tensors": r.ntensors,
-             "backend": r.backend, "location": r.location} for r in rows]
-    table = [[str(r.step), when(r.time), size(r.nbytes), str(r.ntensors), r.backend] for r in rows]
-    emit(args, ["step", "time", "bytes", "tensors", "backend"], table, data, left=("time", "backend"))
+    data = [{"step": r.step, "time": r.time, "kind": kind(r.tier), "bytes": r.nbytes,
+             "stored": stored.get(r.step, 0), "tensors": r.ntensors, "backend": r.backend,
+             "location": r.location} for r in rows]
+    # the backend (one per run, in --json) leaves the table room to fit 80 columns
+    table = [[str(r.step), when(r.time), kind(r.tier), size(r.nbytes), size(stored.get(r.step, 0)),
+              str(r.ntensors)] for r in rows]
+    emit(args, ["step", "time", "kind", "bytes", "stored", "tensors"], table, data, left=("time", "kind"))
     return 0
+
+
+def kind(tier: str) -> str:
+    """What a step is, by its index tier: a restore point (``full`` or ``restore``:
+    restore() reads it back) or a trajectory point."""
+    return "trajectory" if tier == "trajectory" else "restore"
+
+
+def stored_by_step(index: Index) -> dict[int, int]:
+    """step -> the bytes its tensors take as stored (0 for a step without tensors)."""
+    stored: dict[int, int] = {}
+    for step, _group, _encoding, _nbytes, nstored in index.stored_bytes():
+        stored[step] = stored.get(step, 0) + nstored
+    return stored
 
 
 def open_index(run_dir: str) -> Index:

@@ -1,16 +1,18 @@
 """``datastates-hist prune RUN --keep-last N --keep-every K``: retention.
 
 Deletes the committed steps no rule keeps (never the newest): index rows first,
-so readers stop seeing them at once, then their data. Takes the run's writer
-lock: it refuses while a training process writes the run (that process can
-call ``Checkpointer.prune``). ``--dry-run`` only reads the index (no lock; a
-read-only run too) and prints the steps that would be deleted and the bytes
-that would be freed (per step with ``--json``).
+so readers stop seeing them at once, then their data. A step that a kept step
+is a delta against stays (such steps are counted on a second line, and listed
+as ``bases`` with ``--json``). Takes the run's writer lock: it refuses while a
+training process writes the run (that process can call ``Checkpointer.prune``).
+``--dry-run`` only reads the index (no lock; a read-only run too) and prints the
+steps that would be deleted and the bytes that would be freed (per step with
+``--json``).
 """
 
 from __future__ import annotations
 
-from ..retention import doomed, policies, step_bytes
+from ..retention import doomed, policies, protect_bases, step_bytes
 from . import count
 from .ls import open_index
 from .output import add_json_flag, emit, size
@@ -35,7 +37,7 @@ def run(args) -> int:
     if args.dry_run:
         try:
             committed = index.steps()
-            freed = step_bytes(args.run, index, doomed(committed, rules))
+            freed, bases = _plan(args.run, index, committed, rules)
         finally:
             index.close()
         removed, kept = sorted(freed), sorted(set(committed) - set(freed))
@@ -44,18 +46,30 @@ def run(args) -> int:
         from ..checkpointer import Checkpointer
 
         with Checkpointer(args.run) as ckpt:
-            freed = step_bytes(args.run, ckpt.index, doomed(ckpt.steps(), rules))  # as of taking the lock
+            freed, bases = _plan(args.run, ckpt.index, ckpt.steps(), rules)  # as of taking the lock
             removed = ckpt.prune(args.keep_last, args.keep_every)
             kept = ckpt.steps()
     nbytes = sum(freed.get(s, 0) for s in removed)
     if args.json:
         emit(args, [], [], {"removed": removed, "kept": kept, "bytes": nbytes, "dry_run": args.dry_run,
-                            "freed": [{"step": s, "bytes": freed.get(s, 0)} for s in removed]})
+                            "freed": [{"step": s, "bytes": freed.get(s, 0)} for s in removed],
+                            "bases": bases})
         return 0
     verb, freeing = ("would delete", "would free") if args.dry_run else ("deleted", "freed")
     listed = f"; {freeing} {size(nbytes)} (steps {_spans(removed, kept)})" if removed else ""
     print(f"{verb} {len(removed)} steps; {len(kept)} kept{listed}")
+    if bases:
+        others = sorted(set(removed + kept) - set(bases))
+        print(f"{len(bases)} kept only as delta bases of kept steps (steps {_spans(bases, others)})")
     return 0
+
+
+def _plan(run_dir: str, index, committed: list[int], rules) -> tuple[dict[int, int], list[int]]:
+    """``(freed, bases)``: step -> bytes for the ``committed`` steps to delete, and
+    the steps no rule keeps that stay as delta bases of kept steps."""
+    no_rule_keeps = doomed(committed, rules)
+    victims = protect_bases(index, no_rule_keeps)
+    return step_bytes(run_dir, index, victims), sorted(set(no_rule_keeps) - set(victims))
 
 
 def _spans(removed: list[int], kept: list[int]) -> str:

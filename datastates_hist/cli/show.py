@@ -1,9 +1,14 @@
-"""``datastates-hist show RUN STEP``: the tensors of one step, with statistics from the index."""
+"""``datastates-hist show RUN STEP``: the tensors of one step, with statistics from the index.
+
+Per tensor: its shape, dtype, how it is stored (``raw``, ``key``: compressed alone,
+``delta<-B``: against its value at step B), its bytes as they are and as stored,
+and its norm (the table leaves min and max, in ``--json``, to fit 80 columns).
+"""
 
 from __future__ import annotations
 
 from . import STEP_HELP, resolve_step, step_choice
-from .output import add_json_flag, emit
+from .output import add_json_flag, emit, size
 
 
 def add_parser(sub):
@@ -32,8 +37,15 @@ def run(args) -> int:
             raise KeyError(f"no tensor of step {step} of {args.run} matches {', '.join(unmatched)}")
         records = [r for r in records if matches(r.name, args.names)]
     data = [{"name": r.name, "shape": list(r.shape), "dtype": r.dtype, "nbytes": r.nbytes,
+             "encoding": r.encoding, "base": r.base, "stored": r.stored_bytes, "update_ratio": r.update_ratio,
              "checksum": r.checksum, **r.stats} for r in records]
-    table = [[r.name, "x".join(map(str, r.shape)) or "()", r.dtype,
-              *(r.stats.get(key) for key in ("norm", "min", "max"))] for r in records]
-    emit(args, ["name", "shape", "dtype", "norm", "min", "max"], table, data, left=("name", "dtype"))
+    table = [[r.name, "x".join(map(str, r.shape)) or "()", r.dtype, encoding(r), size(r.nbytes),
+              size(r.stored_bytes), r.stats.get("norm")] for r in records]
+    emit(args, ["name", "shape", "dtype", "encoding", "nbytes", "stored", "norm"], table, data,
+         left=("name", "dtype", "encoding"))
     return 0
+
+
+def encoding(rec) -> str:
+    """How a tensor is stored, its base step beside a delta's: ``delta<-12``."""
+    return f"delta<-{rec.base}" if rec.encoding == "delta" else rec.encoding

@@ -5,17 +5,22 @@ steps (``loss`` for ``extra/data/loss``, ``optim/param_groups/0/lr``) or a glob
 of either; every series is shown over the same steps. Read from the index: no
 tensor data is read. Printed as a table and a sparkline per series;
 ``--plot FILE.png`` writes a matplotlib figure (one panel per scalar, one for
-the tensors, sharing the step axis).
+the tensors, sharing the step axis). ``--stat update_ratio`` is each step's
+relative update ||x - x_base|| / ||x_base|| against the step its delta is
+encoded against (blank at key steps); it spans decades, so its sparkline and
+plot use a log scale.
 """
 
 from __future__ import annotations
 
 import math
 
-from ..index import STAT_KEYS
+from ..index import TENSOR_STATS
 from .output import add_json_flag, console, emit, num
 
 BARS = "▁▂▃▄▅▆▇█"
+LOG_SCALE_STATS = ("update_ratio",)
+AXIS_LABELS = {"update_ratio": "update ratio  ‖x − x_base‖ / ‖x_base‖"}
 
 
 def add_parser(sub):
@@ -24,13 +29,22 @@ def add_parser(sub):
     cmd.add_argument("names", nargs="+", metavar="NAME",
                      help="tensor names ('model/' may be left out), scalar names ('loss', "
                           "'optim/param_groups/0/lr') or globs of either ('blocks.0.*')")
-    cmd.add_argument("--stat", choices=STAT_KEYS, default="norm", help="the statistic of tensors (default norm)")
+    cmd.add_argument("--stat", choices=TENSOR_STATS, default="norm",
+                     help="the statistic of tensors (default norm); update_ratio: ||x - x_base|| / ||x_base|| "
+                          "of the steps stored as a delta against x_base (the step before when every step is "
+                          "kept), blank at key steps")
     cmd.add_argument("--plot", metavar="FILE", help="also write a matplotlib figure (PNG, PDF, SVG)")
     add_json_flag(cmd)
     return cmd
 
 
-def sparkline(values: list[float]) -> str:
+def sparkline(values: list[float], log: bool = False) -> str:
+    """One bar per value, scaled from the smallest to the largest finite value (their
+    logarithms with ``log``, where values not above 0 get the lowest bar); blank for none."""
+    if log:
+        positive = [v for v in values if v is not None and math.isfinite(v) and v > 0]
+        floor = min(positive, default=1.0)
+        values = [v if v is None or not math.isfinite(v) else math.log10(max(v, floor)) for v in values]
     finite = [v for v in values if v is not None and math.isfinite(v)]
     if not finite:
         return ""
@@ -63,12 +77,14 @@ def run(args) -> int:
     emit(args, ["step", *columns], rows, data, left=())
     if not args.json:
         for name, values in series.items():
-            console().print(f"{name}{' ' + args.stat if name in tensors else ''}: {sparkline(values)}")
+            log = name in tensors and args.stat in LOG_SCALE_STATS
+            console().print(f"{name}{' ' + args.stat if name in tensors else ''}: {sparkline(values, log)}")
     return 0
 
 
 def plot(steps, series: dict[str, list], tensors: set[str], stat: str, path: str) -> None:
-    """One panel per scalar and one for every tensor's ``stat``, sharing the step axis."""
+    """One panel per scalar and one for every tensor's ``stat``, sharing the step axis
+    (the tensors' on a log scale for a stat of :data:`LOG_SCALE_STATS`)."""
     from ..items import short_name
 
     try:
@@ -76,22 +92,33 @@ def plot(steps, series: dict[str, list], tensors: set[str], stat: str, path: str
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
     scalars = [n for n in series if n not in tensors]
     panels = [[n] for n in scalars] + ([[n for n in series if n in tensors]] if tensors else [])
-    fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False, figsize=(7, 1.2 + 2.3 * len(panels)))
+    legend = 1 < len(tensors) <= 10  # names the tensors' lines, right of the panels so that it hides none
+    width = 7 + (0.07 * max(len(short_name(n)) for n in tensors) + 0.6 if legend else 0)
+    fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False, figsize=(width, 1.2 + 2.3 * len(panels)))
     for ax, names in zip(axes[:, 0], panels):
+        log = names[0] in tensors and stat in LOG_SCALE_STATS
         for name in names:
-            ax.plot(steps, [math.nan if v is None else v for v in series[name]], marker=".", label=short_name(name))
-        ax.set_ylabel(stat if names[0] in tensors else short_name(names[0]))
+            # a log axis cannot show 0 (a tensor that did not change): left out, like a missing value
+            ys = [math.nan if v is None or (log and v <= 0) else v for v in series[name]]
+            ax.plot(steps, ys, marker=".", label=short_name(name))
         if names[0] in tensors:
+            ax.set_ylabel(AXIS_LABELS.get(stat, stat))
             title = short_name(names[0]) if len(names) == 1 else f"{stat} of {len(names)} tensors"
-            ax.set_title(title, fontsize="medium")
-            if 1 < len(names) <= 10:
-                ax.legend(fontsize="small", loc="best")
-        ax.grid(alpha=0.3)
+            ax.set_title(f"{title}{' (log scale)' if log else ''}", fontsize="medium")
+            if log:
+                ax.set_yscale("log")
+            if legend:
+                ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+        else:
+            ax.set_ylabel(short_name(names[0]))
+        ax.grid(alpha=0.3, which="both" if log else "major")
     axes[-1, 0].set_xlabel("step")
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

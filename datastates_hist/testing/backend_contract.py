@@ -3,9 +3,10 @@
 The tests write and read runs through the public API (:class:`~datastates_hist.Checkpointer`,
 :func:`datastates_hist.open`, :class:`~datastates_hist.store.Store`), so they hold a
 backend to the whole lifecycle of :mod:`datastates_hist.backends.base`: every dtype
-bit for bit, views and empty tensors, tensors streamed through a small host cache,
-statistics, plain values, truncation, damage named, and a failure at any point of a
-step leaving it uncommitted.
+bit for bit, stored raw and encoded (keys, deltas against one and two earlier steps),
+views and empty tensors, tensors streamed through a small host cache, statistics, plain
+values, truncation, restore points and trajectory points, damage named, bad arguments
+refused, and a failure at any point of a step leaving it uncommitted.
 
 A backend elsewhere registers itself and runs the suite by subclassing
 :class:`BackendContract` in one of its pytest modules and giving the subclass a
@@ -27,6 +28,7 @@ The suite needs pytest, torch and xxhash; ``import datastates_hist`` does not im
 """
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -35,8 +37,11 @@ import xxhash
 
 import datastates_hist as dh
 from datastates_hist.backends import Backend, get_backend, register_backend, unregister_backend
-from datastates_hist.layout import steps_dir
+from datastates_hist.layout import restore_unit, steps_dir
 from datastates_hist.store import Store
+from datastates_hist.verify import verify_run
+
+CODECS = ("raw", "key", "delta")
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
           torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
@@ -53,6 +58,33 @@ def sample(dtype, shape=(5, 7), seed=0):
         return (torch.randn(shape, generator=g) * 3).to(dtype)
     info = torch.iinfo(dtype)
     return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g, dtype=dtype)
+
+
+def drift(t, step):
+    """``t`` changed a little, as training changes a tensor from one step to the next."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if t.dtype == torch.bool:
+        return t ^ (torch.rand(t.shape, generator=g) < 0.1)
+    if t.dtype.is_complex:
+        return t + 0.01 * torch.randn(t.shape, dtype=t.dtype, generator=g)
+    if t.dtype.is_floating_point:
+        wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+        return (t.to(wide) * (1 + 0.01 * torch.randn(t.shape, dtype=wide, generator=g))).to(t.dtype)
+    return t + torch.randint(0, 2, t.shape, generator=g, dtype=t.dtype)
+
+
+def _blob(run_dir, step, name) -> bytes:
+    """The blob of encoded tensor ``name`` of ``step``, as its unit holds it."""
+    store = Store(run_dir)
+    try:
+        with store.open_step(step) as data:
+            rec = data.records[name]
+            assert rec.encoding != "raw", rec
+            blob = np.empty(rec.stored, np.uint8)
+            data.readers[rec.part].read(name, blob, (0,))
+            return blob.tobytes()
+    finally:
+        store.close()
 
 
 def _file_holding(unit: str, needle: bytes) -> str:
@@ -228,7 +260,7 @@ class BackendContract:
     def test_damaged_tensor_data_is_detected_and_named(self, run_dir, backend):
         big = torch.arange(1 << 16, dtype=torch.float32)
         model = torch.nn.Linear(2, 2)
-        with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+        with dh.Checkpointer(run_dir, backend=backend, codec="raw") as ckpt:
             ckpt.write(0, model, data={"big": big})
         needle = big.numpy()[1000:1004].tobytes()
         data_file = _file_holding(os.path.join(steps_dir(run_dir), os.listdir(steps_dir(run_dir))[0]), needle)
@@ -239,6 +271,32 @@ class BackendContract:
         with dh.Checkpointer(run_dir) as ckpt:
             with pytest.raises(dh.CorruptionError, match=r"'extra/data/big' of step 0 .* checksum"):
                 ckpt.restore(model=model)
+
+    def test_damaged_encoded_tensor_data_is_detected_and_named(self, run_dir, backend):
+        """A bit flipped in the blob of a key names the key's tensor, at its step and at
+        the step stored as a delta against it."""
+        big = torch.arange(1 << 16, dtype=torch.float32)
+        model = torch.nn.Linear(2, 2)
+        with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+            ckpt.write(0, model, data={"big": big})
+            ckpt.write(1, model, data={"big": big + 1})
+        store = Store(run_dir)
+        assert [(r.encoding, r.base) for s in (0, 1) for r in store.records(s) if r.name == "extra/data/big"] == [
+            ("key", None), ("delta", 0)]
+        store.close()
+        blob = _blob(run_dir, 0, "extra/data/big")
+        data_file = _file_holding(os.path.join(steps_dir(run_dir), sorted(os.listdir(steps_dir(run_dir)))[0]), blob)
+        raw = bytearray(open(data_file, "rb").read())
+        raw[bytes(raw).find(blob) + len(blob) // 2] ^= 0x01
+        open(data_file, "wb").write(bytes(raw))
+        damaged = rf"tensor 'extra/data/big' of step 0 in {run_dir} (does not match its checksum|cannot be decoded)"
+        with dh.Checkpointer(run_dir) as ckpt:
+            for step in (0, 1):
+                with pytest.raises(dh.CorruptionError, match=damaged):
+                    ckpt.restore(step, model=model)
+        problems = verify_run(run_dir)
+        assert [(p.step, p.tensor) for p in problems] == [(0, "extra/data/big"), (1, "extra/data/big")]
+        assert problems[1].message.startswith("its delta base at step 0 cannot be read: ")
 
     @pytest.mark.parametrize("where", ["begin", "define", "put", "write_out", "finish"])
     def test_a_failed_step_is_not_committed_and_reported(self, run_dir, backend, where):
@@ -268,12 +326,158 @@ class BackendContract:
         assert sorted(os.listdir(steps_dir(run_dir)))[-1].startswith("000000000003")
         assert not any(f.endswith(".partial") for f in os.listdir(steps_dir(run_dir)))
 
-    def test_index_and_manifest_agree(self, run_dir, backend):
+    @pytest.mark.parametrize("codec", CODECS)
+    def test_index_and_manifest_agree(self, run_dir, backend, codec):
         model = torch.nn.Linear(3, 2)
-        with dh.Checkpointer(run_dir, backend=backend) as ckpt:
-            ckpt.write(5, model)
+        with dh.Checkpointer(run_dir, backend=backend, codec=codec) as ckpt:
+            for step in (5, 6, 7):
+                ckpt.wait_snapshot()
+                with torch.no_grad():
+                    model.weight.mul_(1.01)
+                ckpt.write(step, model)
         store = Store(run_dir)
-        with store.open_step(5) as data:
-            assert {r.name: r for r in store.records(5)} == data.records
-            assert "model/weight" in data.records and "rng/torch" in data.records
+        for step in (5, 6, 7):
+            with store.open_step(step) as data:
+                # the index has no chunk tables and no second bases (a delta's base has its own)
+                assert {r.name: r for r in store.records(step)} == {
+                    name: replace(r, chunks=None, base2=None) for name, r in data.records.items()}
+                assert "model/weight" in data.records and "rng/torch" in data.records
+                weight = data.records["model/weight"]
+                assert weight.encoding == ("raw" if codec == "raw" else "key" if codec == "key" or step == 5
+                                           else "delta")
+                assert (weight.chunks is None) == (codec == "raw")
+                assert weight.base2 == (5 if codec == "delta" and step == 7 else None)
         store.close()
+
+    # --- format version 2: encodings, restore and trajectory points, the new arguments ---
+
+    @pytest.mark.parametrize("codec", CODECS)
+    def test_every_dtype_round_trips_bit_exact_at_every_step_with_every_codec(self, run_dir, backend, codec):
+        """Slowly changing tensors of every dtype over 5 steps: with ``delta``, step 0
+        is stored as keys, step 1 as deltas against step 0, later steps against the two
+        steps before them. Every step reads back bit for bit."""
+        steps = range(5)
+        written = {}
+        tensors = {str(d): sample(d) for d in DTYPES}
+        model = torch.nn.Linear(2, 2)
+        with dh.Checkpointer(run_dir, backend=backend, codec=codec) as ckpt:
+            for step in steps:
+                written[step] = tensors
+                ckpt.write(step, model, data=tensors)
+                tensors = {name: drift(t, step) for name, t in tensors.items()}
+        store = Store(run_dir)
+        try:
+            for step in steps:
+                want = {f"extra/data/{name}": t for name, t in written[step].items()}
+                with store.open_step(step) as data:
+                    for name, t in want.items():
+                        back = data.read(name)
+                        assert back.dtype == t.dtype and back.shape == t.shape, (step, name)
+                        assert bits(back) == bits(t), (step, name)
+                        rec = data.records[name]
+                        assert rec.base2 == (step - 2 if codec == "delta" and step >= 2 else None), (step, name)
+                indexed = {r.name: (r.encoding, r.base) for r in store.records(step) if r.name in want}
+                expected = (("raw", None) if codec == "raw" else ("key", None) if codec == "key" or step == 0
+                            else ("delta", step - 1))
+                assert indexed == {name: expected for name in want}, step
+        finally:
+            store.close()
+        with dh.open(run_dir) as h:  # a reader going back in time decodes the chains too
+            for step in reversed(steps):
+                for name, t in written[step].items():
+                    assert bits(h.read(f"extra/data/{name}", step)) == bits(t), (step, name)
+
+    def test_restore_points_and_trajectory_points(self, run_dir, backend):
+        """keep= decides which steps stay restore points; trajectory= what the others keep."""
+        keep = dh.KeepLast(2) | dh.KeepEvery(3)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        opt = torch.optim.Adam(model.parameters())
+        weights, expected_restore = {}, []
+        with dh.Checkpointer(run_dir, backend=backend, keep=keep, trajectory=dh.Trajectory("model/*")) as ckpt:
+            for step in range(8):
+                model(torch.randn(2, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                weights[step] = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
+                ckpt.write(step, model, opt)
+                # what the policy keeps after this commit: the newest, and what keep keeps
+                points = expected_restore + [step]
+                expected_restore = sorted(set(points[-1:]) | keep.keep(points))
+            final_opt = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+        trajectory = [s for s in range(8) if s not in expected_restore]
+        assert expected_restore == [0, 3, 6, 7] and trajectory == [1, 2, 4, 5]
+        store = Store(run_dir)
+        try:
+            rows = {r.step: r for r in store.index.step_rows()}
+            assert {s: r.tier for s, r in rows.items()} == {
+                s: "restore" if s in expected_restore else "trajectory" for s in range(8)}
+            assert store.restore_points() == expected_restore
+            for step in trajectory:  # exactly the model's tensors, bit for bit
+                with store.open_step(step) as data:
+                    assert sorted(data.records) == sorted(weights[step])
+                    for name, t in weights[step].items():
+                        assert bits(data.read(name)) == bits(t), (step, name)
+                assert (rows[step].ntensors, rows[step].nbytes) == (
+                    len(weights[step]), sum(t.numel() * t.element_size() for t in weights[step].values()))
+            units = {}
+            for step, row in rows.items():
+                units[row.location] = step
+                if step in expected_restore:
+                    units[restore_unit(row.location)] = step
+            assert sorted(os.listdir(steps_dir(run_dir))) == sorted(units)  # demoted: restore units gone
+        finally:
+            store.close()
+
+        fresh = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        fresh_opt = torch.optim.Adam(fresh.parameters())
+        with dh.Checkpointer(run_dir) as ckpt:
+            assert ckpt.restore(model=fresh, optimizer=fresh_opt).step == 7  # the newest restore point
+            for k, v in fresh.state_dict().items():
+                assert bits(v) == bits(weights[7][f"model/{k}"]), k
+            for k, v in fresh_opt.state_dict()["state"][0].items():
+                assert bits(v.reshape(-1)) == bits(final_opt[k].reshape(-1)), k
+
+            with pytest.raises(dh.StepNotFoundError) as caught:
+                ckpt.restore(4, model=fresh, optimizer=fresh_opt)
+            assert str(caught.value) == (
+                f"step 4 of {run_dir} is a trajectory point, not a restore point: it keeps 4 tensor(s) to read, "
+                "not the whole state. The nearest restore points: 3 and 6; restore(step, strict=False) loads "
+                "what it has and lists the rest")
+            other = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+            other_opt = torch.optim.Adam(other.parameters())
+            restored = ckpt.restore(4, model=other, optimizer=other_opt, strict=False)
+            assert restored.step == 4
+            assert (restored.problems.missing, restored.problems.unexpected, restored.problems.mismatched) == (
+                ["optim", "rng"], [], [])
+            for k, v in other.state_dict().items():
+                assert bits(v) == bits(weights[4][f"model/{k}"]), k
+            assert other_opt.state_dict()["state"] == {}  # nothing of it was stored at step 4
+
+    def test_bad_arguments_of_retention_and_encoding_are_refused_by_name(self, run_dir, backend):
+        for kwargs, error, message in (
+                ({"keep": 5}, TypeError,
+                 "keep= needs a retention policy such as dh.KeepLast(2) | dh.KeepEvery(1000), got 5"),
+                ({"keep": "last"}, TypeError,
+                 "keep= needs a retention policy such as dh.KeepLast(2) | dh.KeepEvery(1000), got 'last'"),
+                ({"trajectory": "model/*"}, TypeError,
+                 "trajectory= needs dh.Trajectory('model/*', every=1), got 'model/*'"),
+                ({"codec": "zip"}, ValueError, "codec= must be one of 'delta', 'key', 'raw', got 'zip'"),
+                ({"key_every": 0}, ValueError, "key_every needs a whole number >= 1, got 0")):
+            with pytest.raises(error) as caught:
+                dh.Checkpointer(run_dir, backend=backend, **kwargs)
+            assert str(caught.value) == message
+            assert not os.path.exists(run_dir)  # refused before anything was created
+        for make, message in ((lambda: dh.KeepLast(0), "KeepLast needs a whole number >= 1, got 0"),
+                              (lambda: dh.KeepEvery(-3), "KeepEvery needs a whole number >= 1, got -3")):
+            with pytest.raises(ValueError) as caught:
+                make()
+            assert str(caught.value) == message
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        with dh.Checkpointer(run_dir, backend=backend, keep=dh.KeepLast(2),
+                             trajectory=dh.Trajectory("nomatch/*")) as ckpt:
+            with pytest.raises(ValueError) as caught:
+                ckpt.write(0, model)
+            assert str(caught.value) == ("Trajectory('nomatch/*') matches no tensor of step 0 (its tensors: "
+                                         "model/0.weight, model/0.bias, model/1.weight, model/1.bias, ...)")
+            assert ckpt.steps() == []

@@ -1,0 +1,104 @@
+"""Which earlier values each tensor is encoded against, on the flusher thread.
+
+A step's tensors are stored compressed (:mod:`.codecs`): as a *key* (the bytes
+alone) or as a *delta* (the residual against a prediction from the same
+tensor's values at earlier steps: its *base*, and the base's own base when
+the base is itself a delta, for a linear extrapolation). Bases are *anchors*:
+steps that stay in the history as long as anything encoded against them (every
+step when nothing is removed while training; with a trajectory, the steps on
+its grid). The flusher keeps each tensor's two newest anchor values in memory,
+so encoding reads nothing back; an anchor step overwrites the older one piece
+by piece as it encodes. A chain of deltas is cut by a key every ``key_every``
+anchors, so reading any step decodes at most ``key_every`` stored values.
+
+Anything uncertain forgets every anchor (the next step is a key): a failed
+step, a tensor whose size or dtype changed, a new Checkpointer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .codecs import Encoder
+
+KEY, DELTA, RAW = "key", "delta", "raw"
+
+
+@dataclass
+class _Anchor:
+    step: int
+    depth: int  # deltas since the key: reading this value decodes depth + 1 stored values
+    dtype: str
+    data: np.ndarray  # uint8, the tensor's stored bytes at ``step``
+    base: "_Anchor | None" = None  # the anchor it is a delta against (None: a key)
+
+
+@dataclass
+class Encoding:
+    """One tensor of one step being encoded, piece by piece (in memory order)."""
+
+    encoder: Encoder
+    base: _Anchor | None  # None: a key
+    base2: _Anchor | None  # the base's base, for the extrapolation
+    data: np.ndarray | None  # where this step's bytes go when it is an anchor
+    pos: int = 0
+
+    @property
+    def kind(self) -> str:
+        return KEY if self.base is None else DELTA
+
+    def add(self, piece: np.ndarray) -> None:
+        """Encode the next piece (a 1-D uint8 view of the tensor's stored bytes)."""
+        end = self.pos + piece.size
+        base = None if self.base is None else self.base.data[self.pos:end]
+        base2 = None if self.base2 is None else self.base2.data[self.pos:end]
+        self.encoder.add(piece, base, base2)
+        if self.data is not None:
+            self.data[self.pos:end] = piece  # after encoding: the bases' bytes were still needed
+        self.pos = end
+
+
+class Anchors:
+    """Each tensor's newest anchor (and its base), for the tensors encoded with deltas."""
+
+    def __init__(self, key_every: int):
+        self.key_every = key_every
+        self._anchors: dict[str, _Anchor] = {}
+        self._pending: dict[str, _Anchor] = {}
+
+    def begin(self, name: str, dtype: str, nbytes: int, step: int, delta: bool, anchor: bool) -> Encoding:
+        """The encoding of tensor ``name`` at ``step``: ``delta`` if it may be a delta,
+        ``anchor`` if this step becomes its newest anchor."""
+        base = self._anchors.get(name) if delta else None
+        if base is not None and (base.dtype != dtype or base.data.size != nbytes or base.step >= step):
+            base = None
+        if base is not None and anchor and base.depth + 1 >= self.key_every:
+            base = None  # a key starts a new chain
+        base2 = None if base is None else base.base
+        data = None
+        if anchor and delta:
+            # the oldest value's buffer is reused: each piece replaces its bytes once encoded
+            data = base2.data if base2 is not None else np.empty(nbytes, np.uint8)
+            depth = 0 if base is None else base.depth + 1
+            # the new anchor's base keeps its own data, but no longer its base (never used again)
+            kept = None if base is None else _Anchor(base.step, base.depth, base.dtype, base.data)
+            self._pending[name] = _Anchor(step, depth, dtype, data, kept)
+        return Encoding(Encoder(dtype, delta=base is not None), base, base2, data)
+
+    def committed(self) -> None:
+        """The step whose encodings began since the last call is committed: its anchors count."""
+        self._anchors.update(self._pending)
+        self._pending.clear()
+
+    def drop(self, steps) -> None:
+        """``steps`` were removed from the run: forget every anchor that is or needs one of them."""
+        gone = set(steps)
+        if any(a.step in gone or (a.base is not None and a.base.step in gone) for a in self._anchors.values()):
+            self.forget()
+
+    def forget(self) -> None:
+        """The step failed: its anchors' buffers hold a mix of two steps; start again from keys."""
+        self._anchors.clear()
+        self._pending.clear()

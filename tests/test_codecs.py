@@ -1,0 +1,404 @@
+"""datastates_hist.codecs: lossless round trips, crafted chunk tables, update ratios,
+mantissa rounding, and that encoding releases the GIL; on real blosc2 and trained weights."""
+
+import threading
+import time
+
+import blosc2
+import numpy as np
+import pytest
+import torch
+
+from datastates_hist import codecs
+from datastates_hist.codecs import CHUNK_BYTES, STORED_RAW, Encoder, check_chunks, decode
+from datastates_hist.dtypes import torch_dtype
+
+
+def _adam_weights(steps: int, n_in: int = 256, n_out: int = 512, seed: int = 0):
+    """(previous, current) float32 weights of an nn.Linear after ``steps`` Adam steps."""
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(n_in, n_out)
+    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    x, target = torch.randn(64, n_in), torch.randn(64, n_out)
+    previous = None
+    for _ in range(steps):
+        previous = layer.weight.detach().clone()
+        loss = torch.nn.functional.mse_loss(layer(x), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return previous.reshape(-1), layer.weight.detach().clone().reshape(-1)
+
+
+PREVIOUS, CURRENT = _adam_weights(5)
+
+
+def _stored(tensor: torch.Tensor, dtype: str) -> np.ndarray:
+    """The stored bytes of ``tensor`` converted to ``dtype`` (bfloat16/float16 as uint16)."""
+    if dtype == "int64":
+        converted = (tensor * 1e6).round().to(torch.int64)
+    elif dtype == "uint8":
+        converted = ((tensor + 0.1) * 1000).clamp(0, 255).to(torch.uint8)
+    elif dtype == "bool":
+        converted = tensor > 0
+    else:
+        converted = tensor.to(getattr(torch, dtype))
+    if converted.dtype in (torch.bfloat16, torch.float16):
+        converted = converted.view(torch.int16)
+    elif converted.dtype == torch.bool:
+        converted = converted.view(torch.uint8)
+    return converted.numpy().reshape(-1).view(np.uint8).copy()
+
+
+def _encode(data: np.ndarray, dtype: str, base: np.ndarray | None, piece_elements):
+    """Encode ``data`` in pieces of the given element counts (the rest as the last piece)."""
+    itemsize = torch_dtype(dtype).itemsize
+    encoder = Encoder(dtype, delta=base is not None)
+    start = 0
+    for count in list(piece_elements) + [None]:
+        stop = data.size if count is None else min(data.size, start + count * itemsize)
+        encoder.add(data[start:stop], None if base is None else base[start:stop])
+        start = stop
+    return encoder.finish()
+
+
+def _decoded(blob, chunks, dtype, nbytes, base=None):
+    out = np.empty(nbytes, np.uint8)
+    decode(blob, chunks, torch_dtype(dtype).itemsize, out, base)
+    return out
+
+
+DTYPES = ["float32", "float64", "bfloat16", "float16", "int64", "uint8", "bool"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("delta", [False, True])
+def test_round_trip_is_bit_exact_for_every_storage_dtype(dtype, delta):
+    data, base = _stored(CURRENT, dtype), _stored(PREVIOUS, dtype)
+    data_before, base_before = data.copy(), base.copy()
+    blob, chunks, _ = _encode(data, dtype, base if delta else None, [1, 7, 1001, 0, 12345])
+    # Odd piece sizes give one chunk each (the empty piece none).
+    assert [c[0] for c in chunks] == [n * data.size // CURRENT.numel()
+                                      for n in (1, 7, 1001, 12345, CURRENT.numel() - 13354)]
+    assert np.array_equal(data, data_before) and np.array_equal(base, base_before)
+    assert np.array_equal(_decoded(blob, chunks, dtype, data.size, base if delta else None), data)
+    if dtype in ("float32", "float64", "int64"):
+        assert blob.size < data.size  # trained weights do compress
+
+
+def test_delta_of_consecutive_adam_steps_compresses_better_than_the_step_alone():
+    data, base = _stored(CURRENT, "float32"), _stored(PREVIOUS, "float32")
+    key, _, _ = _encode(data, "float32", None, [])
+    delta, _, _ = _encode(data, "float32", base, [])
+    assert delta.size < 0.9 * key.size
+
+
+def test_a_tensor_larger_than_a_chunk_is_cut_into_chunks_within_each_piece():
+    data = np.tile(_stored(CURRENT, "float32"), 12)  # 6 MiB
+    base = np.tile(_stored(PREVIOUS, "float32"), 12)
+    first = CHUNK_BYTES + 12
+    for delta_base in (None, base):
+        blob, chunks, _ = _encode(data, "float32", delta_base, [first // 4])
+        assert [c[0] for c in chunks] == [CHUNK_BYTES, 12, data.size - first]
+        assert [c[2] for c in chunks] == [0, 1, 0]  # 12 bytes do not shrink
+        assert np.array_equal(_decoded(blob, chunks, "float32", data.size, delta_base), data)
+
+
+def test_an_empty_tensor_has_no_chunks_and_decodes():
+    empty = np.empty(0, np.uint8)
+    for base in (None, empty):
+        encoder = Encoder("float32", delta=base is not None)
+        encoder.add(empty, base)
+        blob, chunks, ratio = encoder.finish()
+        assert (blob.size, chunks, ratio) == (0, [], None)
+        decode(blob, chunks, 4, np.empty(0, np.uint8), base)
+    blob, chunks, ratio = Encoder("int64", delta=False).finish()
+    assert (blob.size, chunks, ratio) == (0, [], None)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "uint8"])
+def test_one_element_round_trips(dtype):
+    data, base = _stored(CURRENT[:1], dtype), _stored(PREVIOUS[:1], dtype)
+    for delta_base in (None, base):
+        blob, chunks, _ = _encode(data, dtype, delta_base, [])
+        assert chunks == [[data.size, data.size, 1]]  # too small to shrink: stored raw
+        assert np.array_equal(_decoded(blob, chunks, dtype, data.size, delta_base), data)
+
+
+def test_incompressible_bytes_are_stored_raw():
+    data = np.random.default_rng(0).integers(0, 256, CHUNK_BYTES + 1000, dtype=np.uint8)
+    blob, chunks, _ = _encode(data, "uint8", None, [])
+    assert chunks == [[CHUNK_BYTES, CHUNK_BYTES, 1], [1000, 1000, 1]]
+    assert blob.size == data.size
+    assert np.array_equal(_decoded(blob, chunks, "uint8", data.size), data)
+    base = np.random.default_rng(1).integers(0, 256, data.size, dtype=np.uint8)
+    blob, chunks, _ = _encode(data, "uint8", base, [])
+    assert [c[2] for c in chunks] == [1, 1] and blob.size == data.size
+    assert np.array_equal(_decoded(blob, chunks, "uint8", data.size, base), data)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "float16"])
+def test_update_ratio_is_the_relative_norm_of_the_update(dtype):
+    x, base = CURRENT.to(getattr(torch, dtype)), PREVIOUS.to(getattr(torch, dtype))
+    _, _, ratio = _encode(_stored(CURRENT, dtype), dtype, _stored(PREVIOUS, dtype), [999])
+    x64, base64 = x.to(torch.float64), base.to(torch.float64)
+    expected = float(torch.linalg.norm(x64 - base64) / torch.linalg.norm(base64))
+    assert ratio == pytest.approx(expected, rel=1e-5)
+    assert 0 < ratio < 0.1
+
+
+def test_update_ratio_over_several_chunks_matches_torch():
+    x, base = CURRENT.repeat(12), PREVIOUS.repeat(12)
+    _, _, ratio = _encode(_stored(x, "float32"), "float32", _stored(base, "float32"), [])
+    # Exact to float64; torch's float32 norm of 1.5M elements is itself off by 3e-5.
+    x, base = x.to(torch.float64), base.to(torch.float64)
+    expected = float(torch.linalg.norm(x - base) / torch.linalg.norm(base))
+    assert ratio == pytest.approx(expected, rel=1e-5)
+
+
+def test_update_ratio_is_none_without_delta_for_integers_and_for_a_zero_or_nan_base():
+    data = _stored(CURRENT, "float32")
+    assert _encode(data, "float32", None, [])[2] is None
+    assert _encode(_stored(CURRENT, "int64"), "int64", _stored(PREVIOUS, "int64"), [])[2] is None
+    assert _encode(data, "float32", np.zeros_like(data), [])[2] is None
+    nan_base = _stored(torch.full((4,), float("nan")), "float32")
+    assert _encode(data[:16], "float32", nan_base, [])[2] is None
+
+
+def test_encoder_rejects_bad_pieces():
+    encoder = Encoder("float32", delta=True)
+    piece = np.zeros(8, np.uint8)
+    with pytest.raises(ValueError, match="^piece of 6 bytes is not a whole number of 4-byte "
+                                         "float32 elements$"):
+        encoder.add(piece[:6], piece[:6])
+    with pytest.raises(ValueError, match="^a delta encoder needs the base's bytes for every piece$"):
+        encoder.add(piece, None)
+    with pytest.raises(ValueError, match="^base has 4 bytes, the piece 8$"):
+        encoder.add(piece, piece[:4])
+    with pytest.raises(ValueError, match="^piece must be a 1-D uint8 numpy array$"):
+        encoder.add(piece.view(np.float32), piece)
+    with pytest.raises(ValueError, match="^base given to an encoder without delta$"):
+        Encoder("float32", delta=False).add(piece, piece)
+    with pytest.raises(TypeError, match="unknown stored dtype 'float12'"):
+        Encoder("float12", delta=False)
+    encoder.finish()
+    with pytest.raises(RuntimeError, match="^Encoder.add called after finish$"):
+        encoder.add(piece, piece)
+
+
+@pytest.fixture(scope="module")
+def encoded():
+    """A float32 tensor of two compressed chunks, encoded without delta."""
+    data = np.tile(_stored(CURRENT, "float32"), 12)[: CHUNK_BYTES + 4000]
+    blob, chunks, _ = _encode(data, "float32", None, [])
+    assert [c[2] for c in chunks] == [0, 0]
+    return data, blob, chunks
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: "no", "chunk table must be a list, got str"),
+    (lambda c: [c[0][:2], c[1]], r"chunk 0: entry must be 3 integers \[raw_len, stored_len, flag\], "
+                                 r"got \[4194304, \d+\]"),
+    (lambda c: [c[0], [4000, 1.5, 0]], r"chunk 1: entry must be 3 integers .*got \[4000, 1.5, 0\]"),
+    (lambda c: [c[0], [4000, True, 0]], r"chunk 1: entry must be 3 integers"),
+    (lambda c: [c[0], "abc"], r"chunk 1: entry must be 3 integers .*got 'abc'"),
+    (lambda c: [c[0], [0, c[1][1], 0]], "chunk 1: raw_len must be positive and stored_len "
+                                        "non-negative, got 0 and"),
+    (lambda c: [c[0], [4000, -1, 0]], "chunk 1: raw_len must be positive and stored_len "
+                                      "non-negative, got 4000 and -1"),
+    (lambda c: [c[0], [4000, c[1][1], 2]], "chunk 1: flag must be 0 .compressed. or 1 "
+                                           ".stored raw., got 2"),
+    (lambda c: [[CHUNK_BYTES + 4, c[0][1], 0], [3996, c[1][1], 0]],
+     f"chunk 0: raw_len {CHUNK_BYTES + 4} exceeds the chunk size {CHUNK_BYTES}"),
+    (lambda c: [[CHUNK_BYTES - 2, c[0][1], 0], [4002, c[1][1], 0]],
+     f"chunk 0: raw_len {CHUNK_BYTES - 2} is not a multiple of the element size 4"),
+    (lambda c: [c[0], [4000, c[1][1], 1]], r"chunk 1: stored raw but stored_len \d+ != raw_len 4000"),
+    (lambda c: [c[0], [4000, 8, 0]], "chunk 1: compressed stored_len 8 is impossible for raw_len 4000"),
+    (lambda c: [c[0], [4000, 4100, 0]], "chunk 1: compressed stored_len 4100 is impossible"),
+    (lambda c: [c[0]], f"chunk table covers {CHUNK_BYTES} bytes, the tensor has {CHUNK_BYTES + 4000}"),
+    (lambda c: [c[0], [4000, c[1][1] - 1, 0]], r"chunk table stores \d+ bytes, the blob has \d+"),
+    (lambda c: [[c[0][0], c[0][1] + 1, 0], [4000, c[1][1] - 1, 0]],
+     r"chunk 0: its header says 4194304 bytes compressed to \d+, the chunk table 4194304 to \d+"),
+])
+def test_decode_refuses_a_crafted_chunk_table(encoded, change, message):
+    data, blob, chunks = encoded
+    out = np.zeros(data.size, np.uint8)
+    with pytest.raises(ValueError, match=message):
+        decode(blob, change([list(c) for c in chunks]), 4, out)
+
+
+def test_decode_refuses_a_header_that_disagrees_with_the_table(encoded):
+    data, blob, chunks = encoded
+    out = np.zeros(data.size, np.uint8)
+    with pytest.raises(ValueError, match=r"^chunk 1: its header says 4000 bytes compressed to \d+, "
+                                         r"the chunk table 3996 to \d+$"):
+        decode(blob, [chunks[0], [3996, chunks[1][1], 0]], 4, out[:-4])
+    corrupted = blob.copy()
+    corrupted[chunks[0][1] + 4] ^= 1  # the second chunk's uncompressed size
+    with pytest.raises(ValueError, match=r"^chunk 1: its header says 4001 bytes compressed to \d+, "
+                                         r"the chunk table 4000 to \d+$"):
+        decode(corrupted, chunks, 4, out)
+
+
+def test_decode_refuses_a_corrupted_blob(encoded):
+    data, blob, chunks = encoded
+    out = np.zeros(data.size, np.uint8)
+    corrupted = blob.copy()
+    corrupted[8] ^= 0xFF  # the first chunk's block size
+    with pytest.raises(ValueError, match="^chunk 0 does not decompress: "):
+        decode(corrupted, chunks, 4, out)
+    decode(blob, chunks, 4, out)
+    assert np.array_equal(out, data)
+
+
+def test_check_chunks_and_decode_refuse_bad_arrays(encoded):
+    data, blob, chunks = encoded
+    check_chunks(chunks, data.size, blob.size, 4)
+    with pytest.raises(ValueError, match="^chunk table covers 4198304 bytes, the tensor has 5$"):
+        check_chunks(chunks, 5, blob.size, 4)
+    read_only = np.zeros(data.size, np.uint8)
+    read_only.setflags(write=False)
+    with pytest.raises(ValueError, match="^out must be writeable$"):
+        decode(blob, chunks, 4, read_only)
+    with pytest.raises(ValueError, match="^blob must be a 1-D uint8 numpy array$"):
+        decode(blob.tobytes(), chunks, 4, np.zeros(data.size, np.uint8))
+    with pytest.raises(ValueError, match="^base has 3 bytes, the tensor 4198304$"):
+        decode(blob, chunks, 4, np.zeros(data.size, np.uint8), np.zeros(3, np.uint8))
+
+
+# -- mantissa rounding ---------------------------------------------------------------
+
+def _values(stored: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 values of stored float32/float64 values or bfloat16/float16 bit patterns."""
+    if dtype == "bfloat16":
+        return torch.from_numpy(stored.view(np.int16)).view(torch.bfloat16).to(torch.float64).numpy()
+    if dtype == "float16":
+        return stored.view(np.float16).astype(np.float64)
+    return stored.astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype, keep_bits", [("float32", 1), ("float32", 8), ("float32", 22),
+                                              ("bfloat16", 1), ("bfloat16", 3), ("bfloat16", 6),
+                                              ("float16", 5), ("float64", 20)])
+def test_round_mantissa_stays_within_the_bound(dtype, keep_bits):
+    stored = _stored(CURRENT, dtype).view(np.uint16 if dtype in ("bfloat16", "float16") else dtype)
+    before = stored.copy()
+    rounded = codecs.round_mantissa(stored, dtype, keep_bits)
+    assert rounded.dtype == stored.dtype and rounded.shape == stored.shape
+    assert np.array_equal(stored, before)
+    exact, approx = _values(stored, dtype), _values(rounded, dtype)
+    normal = np.abs(exact) >= {"float16": 2.0 ** -14}.get(dtype, 1e-30)
+    error = np.abs(approx[normal] - exact[normal]) / np.abs(exact[normal])
+    bound = codecs.rounding_bound(dtype, keep_bits)
+    assert bound == 2.0 ** -(keep_bits + 1)
+    assert error.max() <= bound and error.max() > bound / 4
+    # Only keep_bits mantissa bits remain.
+    drop = {"float32": 23, "float64": 52, "bfloat16": 7, "float16": 10}[dtype] - keep_bits
+    bits = rounded.view(f"uint{8 * rounded.itemsize}")
+    assert np.all(bits % (1 << drop) == 0)
+
+
+def test_round_mantissa_rounds_ties_to_even_and_keeps_nan_inf_and_finite_values():
+    ties = np.array([1 + 2 ** -9, 1 + 2 ** -8 + 2 ** -9, -(1 + 2 ** -9), 1 + 2 ** -9 + 2 ** -20],
+                    np.float32)
+    assert codecs.round_mantissa(ties, "float32", 8).tolist() == [1.0, 1 + 2 ** -7, -1.0,
+                                                                  1 + 2 ** -8]
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, np.finfo(np.float32).max], np.float32)
+    rounded = codecs.round_mantissa(special, "float32", 4)
+    assert np.isnan(rounded[0]) and rounded[1:3].tolist() == [np.inf, -np.inf]
+    assert rounded.view(np.uint32)[3:5].tolist() == [0, 0x80000000]
+    assert np.isfinite(rounded[5]) and rounded[5] == np.float32((2 - 2 ** -4) * 2.0 ** 127)
+    bf16 = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0 + 2 ** -7],
+                        dtype=torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    rounded = codecs.round_mantissa(bf16, "bfloat16", 3)
+    assert rounded[:3].tolist() == bf16[:3].tolist() and _values(rounded, "bfloat16")[3] == 1.0
+
+
+@pytest.mark.parametrize("dtype, keep_bits, message", [
+    ("float32", 0, "keep_bits must be 1..23 for float32, got 0"),
+    ("float32", 24, "keep_bits must be 1..23 for float32, got 24"),
+    ("float64", 53, "keep_bits must be 1..52 for float64, got 53"),
+    ("bfloat16", 8, "keep_bits must be 1..7 for bfloat16, got 8"),
+    ("float16", 11, "keep_bits must be 1..10 for float16, got 11"),
+    ("float32", 2.5, "keep_bits must be 1..23 for float32, got 2.5"),
+    ("float32", True, "keep_bits must be 1..23 for float32, got True"),
+    ("float32", np.int64(30), "keep_bits must be 1..23 for float32, got 30"),
+    ("float32", "8", "keep_bits must be 1..23 for float32, got '8'"),
+    ("int64", 3, "mantissa rounding applies to float32, float64, bfloat16, float16, not int64"),
+])
+def test_keep_bits_out_of_range_is_refused(dtype, keep_bits, message):
+    for call in (lambda: codecs.check_keep_bits(dtype, keep_bits),
+                 lambda: codecs.rounding_bound(dtype, keep_bits),
+                 lambda: codecs.round_mantissa(np.zeros(2, np.float32), dtype, keep_bits)):
+        with pytest.raises(ValueError) as info:
+            call()
+        assert str(info.value) == message
+
+
+def test_round_mantissa_refuses_values_of_another_dtype():
+    with pytest.raises(ValueError, match="^bfloat16 values must be given as a uint16 array, "
+                                         "got float32$"):
+        codecs.round_mantissa(np.zeros(2, np.float32), "bfloat16", 3)
+    assert codecs.round_mantissa(np.ones(2, np.float32), "float32", 23).tolist() == [1.0, 1.0]
+
+
+# -- the GIL -------------------------------------------------------------------------
+
+def test_encoding_releases_the_gil():
+    """A spinner thread keeps counting while add() encodes 64 MiB, but not while the main
+    thread holds the GIL in one long C call."""
+    data = np.tile(_stored(CURRENT, "float32"), 128)
+    base = np.tile(_stored(PREVIOUS, "float32"), 128)
+    assert data.size == 64 << 20
+    held = bytes(256 << 20)
+    count, stop = [0], [False]
+
+    def spin():
+        while not stop[0]:
+            count[0] += 1
+
+    def rate(work):
+        start_count, start = count[0], time.perf_counter()
+        work()
+        return (count[0] - start_count) / (time.perf_counter() - start)
+
+    def encode():
+        encoder = Encoder("float32", delta=True)
+        encoder.add(data, base)
+        encoder.finish()
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        time.sleep(0.05)
+        encoding = rate(encode)
+        holding = rate(lambda: held.count(b"\x01\x02\x03\x04\x05\x06\x07\x08\x09"))
+    finally:
+        stop[0] = True
+        spinner.join()
+    assert encoding > 4 * holding, (encoding, holding)
+
+
+@pytest.mark.parametrize("dtype, np_type", [("float32", np.uint32), ("int64", np.uint64), ("bfloat16", np.uint16),
+                                            ("uint8", np.uint8)])
+def test_the_residual_is_the_zigzag_of_the_difference_from_the_extrapolation(dtype, np_type):
+    """docs/format.md section 6, on numbers small enough to check by hand."""
+    width = np.dtype(np_type).itemsize * 8
+    x = np.array([5, 3, 0, 2 ** width - 1, 7], np_type)
+    b1 = np.array([3, 3, 1, 0, 7], np_type)
+    b2 = np.array([2, 5, 3, 0, 9], np_type)
+    # prediction 2*b1 - b2 = [4, 1, 2**w - 1, 0, 5]; difference x - p = [1, 2, 1, -1, 2]
+    expected = np.array([2, 4, 2, 1, 4], np_type)  # zigzag: 2d for d >= 0, -2d - 1 for d < 0
+    encoder = Encoder(dtype, delta=True)
+    encoder.add(x.view(np.uint8), b1.view(np.uint8), b2.view(np.uint8))
+    blob, chunks, _ = encoder.finish()
+    assert len(chunks) == 1
+    residual = np.empty(x.nbytes, np.uint8)
+    if chunks[0][2] == STORED_RAW:
+        residual[:] = blob
+    else:
+        blosc2.decompress2(blob.tobytes(), dst=residual)
+    assert residual.view(np_type).tolist() == expected.tolist()
+    out = np.empty(x.nbytes, np.uint8)
+    decode(blob, chunks, x.itemsize, out, b1.view(np.uint8), b2.view(np.uint8))
+    assert out.view(np_type).tolist() == x.tolist()

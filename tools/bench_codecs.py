@@ -1,0 +1,196 @@
+"""Measure datastates_hist.codecs on the example GPT's real training state.
+
+Trains examples/train_gpt.py's model (AdamW, its LR schedule, the standard library's
+source as data) for ``--warmup`` steps, takes the weights and AdamW's exp_avg and
+exp_avg_sq at 4 consecutive steps, and encodes every tensor as the flusher would:
+
+  key      each step alone (no delta)
+  delta    XOR with the same tensor at the previous step
+  lossy    weights rounded to ``--keep-bits`` mantissa bits, XOR with the previous
+           rounded weights; with the largest relative error measured against the exact ones
+
+Ratios are stored / raw bytes; MB/s are per core (the encoder compresses on one thread).
+``--compare`` adds the blosc2 settings table (zstd level x shuffle) on the same data.
+
+    python tools/bench_codecs.py [--size small] [--warmup 50] [--keep-bits 8] [--compare]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+# Per-core speeds: the update ratio's dot products must not spread over BLAS threads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import blosc2  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "examples")]
+import train_gpt  # noqa: E402
+
+from datastates_hist import codecs  # noqa: E402
+
+KINDS = ("weights", "exp_avg", "exp_avg_sq")
+
+
+def training_states(size: str, warmup: int, count: int, seed: int = 1337) -> list[dict]:
+    """``count`` consecutive states after ``warmup`` steps: {kind: [float32 numpy arrays]}."""
+    torch.manual_seed(seed)
+    model = train_gpt.build_model(size, block_size=128)
+    optimizer = train_gpt.make_optimizer(model, lr=1e-3)
+    scheduler = train_gpt.make_scheduler(optimizer, total_steps=warmup + count + 100,
+                                         warmup_steps=10)
+    corpus = train_gpt.load_corpus(2 << 20)
+    states = []
+    for step in range(warmup + count):
+        x, y = train_gpt.get_batch(corpus, 8, 128)
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        if step >= warmup:
+            params = list(model.parameters())
+            states.append({
+                "weights": [p.detach().numpy().copy() for p in params],
+                "exp_avg": [optimizer.state[p]["exp_avg"].numpy().copy() for p in params],
+                "exp_avg_sq": [optimizer.state[p]["exp_avg_sq"].numpy().copy() for p in params],
+            })
+    return states
+
+
+def as_bytes(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def encode_all(tensors, bases, bases2=None):
+    """Encode each tensor (against its base when ``bases``, extrapolated from two with
+    ``bases2``); (raw, stored, seconds, encoded)."""
+    raw = stored = 0
+    seconds = 0.0
+    encoded = []
+    for i, tensor in enumerate(tensors):
+        piece = as_bytes(tensor)
+        base = as_bytes(bases[i]) if bases is not None else None
+        base2 = as_bytes(bases2[i]) if bases2 is not None else None
+        start = time.perf_counter()
+        encoder = codecs.Encoder("float32", delta=base is not None)
+        encoder.add(piece, base, base2)
+        blob, chunks, _ = encoder.finish()
+        seconds += time.perf_counter() - start
+        raw += piece.size
+        stored += blob.size
+        encoded.append((blob, chunks, piece, base, base2))
+    return raw, stored, seconds, encoded
+
+
+def decode_seconds(encoded) -> float:
+    seconds = 0.0
+    for blob, chunks, piece, base, base2 in encoded:
+        out = np.empty(piece.size, np.uint8)
+        start = time.perf_counter()
+        codecs.decode(blob, chunks, 4, out, base, base2)
+        seconds += time.perf_counter() - start
+        assert np.array_equal(out, piece), "round trip differs"
+    return seconds
+
+
+def max_relative_error(exact: np.ndarray, rounded: np.ndarray) -> float:
+    exact, rounded = exact.astype(np.float64), rounded.astype(np.float64)
+    nonzero = exact != 0
+    if not nonzero.any():
+        return 0.0
+    return float(np.max(np.abs(rounded[nonzero] - exact[nonzero]) / np.abs(exact[nonzero])))
+
+
+def codec_rows(states: list[dict], keep_bits: int) -> list[tuple]:
+    rows = []
+    for kind in KINDS:
+        for mode in ("key", "delta", "delta, 2 bases"):
+            raw = stored = 0
+            enc = dec = 0.0
+            for t in range(2, len(states)):
+                bases = states[t - 1][kind] if mode != "key" else None
+                bases2 = states[t - 2][kind] if mode == "delta, 2 bases" else None
+                r, s, e, encoded = encode_all(states[t][kind], bases, bases2)
+                raw, stored, enc = raw + r, stored + s, enc + e
+                dec += decode_seconds(encoded)
+            rows.append((kind, mode, stored / raw, raw / enc / 1e6, raw / dec / 1e6, ""))
+    rounded = [[codecs.round_mantissa(w, "float32", keep_bits) for w in s["weights"]]
+               for s in states]
+    worst = max(max_relative_error(w, r) for s, rs in zip(states, rounded)
+                for w, r in zip(s["weights"], rs))
+    raw = stored = 0
+    enc = dec = 0.0
+    for t in range(2, len(states)):
+        r, s, e, encoded = encode_all(rounded[t], rounded[t - 1], rounded[t - 2])
+        raw, stored, enc = raw + r, stored + s, enc + e
+        dec += decode_seconds(encoded)
+    rows.append(("weights", f"lossy {keep_bits} bits + delta, 2 bases", stored / raw,
+                 raw / enc / 1e6, raw / dec / 1e6,
+                 f"max rel err {worst:.3g} (bound {codecs.rounding_bound('float32', keep_bits):.3g})"))
+    return rows
+
+
+def settings_rows(states: list[dict]) -> list[tuple]:
+    """Stored / raw for zstd level x shuffle kind, XOR deltas of consecutive steps."""
+    deltas = {kind: [np.bitwise_xor(as_bytes(a), as_bytes(b))
+                     for t in range(1, len(states))
+                     for a, b in zip(states[t][kind], states[t - 1][kind])] for kind in KINDS}
+    rows = []
+    for clevel in (1, 3):
+        for name, flt in (("shuffle", blosc2.Filter.SHUFFLE), ("bitshuffle", blosc2.Filter.BITSHUFFLE)):
+            cparams = blosc2.CParams(codec=blosc2.Codec.ZSTD, clevel=clevel, typesize=4,
+                                     nthreads=1, filters=[flt])
+            ratios, raw_total, seconds = [], 0, 0.0
+            for kind in KINDS:
+                raw = stored = 0
+                for d in deltas[kind]:
+                    for start in range(0, d.size, codecs.CHUNK_BYTES):
+                        chunk = d[start:start + codecs.CHUNK_BYTES]
+                        t0 = time.perf_counter()
+                        stored += min(len(blosc2.compress2(chunk, cparams=cparams)), chunk.size)
+                        seconds += time.perf_counter() - t0
+                        raw += chunk.size
+                ratios.append(stored / raw)
+                raw_total += raw
+            rows.append((f"zstd {clevel}", name, *ratios, raw_total / seconds / 1e6))
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(train_gpt.SIZES), default="small")
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--keep-bits", type=int, default=8)
+    parser.add_argument("--compare", action="store_true", help="also compare blosc2 settings")
+    args = parser.parse_args(argv)
+    try:
+        codecs.check_keep_bits("float32", args.keep_bits)
+    except ValueError as e:
+        parser.error(str(e))
+    torch.set_num_threads(1)
+    states = training_states(args.size, args.warmup, 4)
+    nbytes = sum(a.nbytes for a in states[0]["weights"])
+    print(f"GPT {args.size}: {nbytes / 1e6:.1f} MB of float32 weights; steps "
+          f"{args.warmup + 1}-{args.warmup + 4}; blosc2 {blosc2.__version__}, zstd level "
+          f"{codecs.CLEVEL}, {codecs.SHUFFLE.name.lower()}")
+    print(f"| {'state':10} | {'encoding':24} | stored/raw | encode MB/s | decode MB/s | |")
+    print(f"|{'-' * 12}|{'-' * 26}|------------|-------------|-------------|---|")
+    for kind, mode, ratio, enc, dec, note in codec_rows(states, args.keep_bits):
+        print(f"| {kind:10} | {mode:24} | {ratio:10.3f} | {enc:11.0f} | {dec:11.0f} | {note} |")
+    if args.compare:
+        print("\nXOR deltas of consecutive steps, stored/raw by blosc2 setting (one thread):")
+        print("| codec | filter | weights | exp_avg | exp_avg_sq | encode MB/s |")
+        print("|---|---|---|---|---|---|")
+        for codec, name, w, m, v, speed in settings_rows(states):
+            print(f"| {codec} | {name} | {w:.3f} | {m:.3f} | {v:.3f} | {speed:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
