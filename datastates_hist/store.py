@@ -493,6 +493,10 @@ class Store:
                     chain.append(step)
                     if rec.base is None:
                         break
+                    if rec.base >= step:  # steps only go down: a crafted chain cannot loop
+                        raise CorruptionError(f"tensor {name!r} of step {step} in {self.run_dir} is a delta "
+                                              f"against step {rec.base}, which is not earlier: the step's "
+                                              "data is damaged")
                     step = rec.base
                 for step in reversed(chain):  # each decodes against the values decoded just before
                     data, rec, cached = self._base_record(step, name)

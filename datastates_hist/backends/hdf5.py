@@ -50,15 +50,17 @@ def _file_type(dtype: np.dtype):
 
 
 RESERVE_MARGIN = 64 << 10  # for the metadata of a dataset (and the file's, at the start)
+FALLOC_FL_KEEP_SIZE = 1  # the file's size stays what HDF5 writes; the space past it is freed at close
 _FALLOCATE_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 
 
 def reserve_space(fd: int, offset: int, nbytes: int) -> None:
-    """fallocate(2) ``nbytes`` at ``offset`` of ``fd`` (ENOSPC raised as OSError). A file
-    system that cannot reserve space is left alone (posix_fallocate would write zeros)."""
-    if _libc.fallocate(fd, 0, offset, nbytes) != 0:
+    """fallocate(2) ``nbytes`` at ``offset`` of ``fd``, keeping its size (ENOSPC raised as
+    OSError). A file system that cannot reserve space is left alone (posix_fallocate would
+    write zeros)."""
+    if _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, nbytes) != 0:
         err = ctypes.get_errno()
         if err not in _FALLOCATE_UNSUPPORTED:
             raise OSError(err, f"cannot reserve {nbytes} bytes for an HDF5 step file: {os.strerror(err)}")
@@ -119,7 +121,8 @@ class HDF5StepWriter(StagedStepWriter):
 
     def close_files(self):
         self.datasets.clear()
-        self.file.close()  # gives back the space reserved and not used (truncated to its end)
+        self.file.close()
+        os.truncate(self.tmp, os.path.getsize(self.tmp))  # frees the space reserved past its end
 
 
 
