@@ -35,11 +35,12 @@ def step_tensors(run_dir, step):
                                            ("adios2", "bfloat16")])
 def test_resume_from_step_15_equals_uninterrupted_run(tmp_path, backend, dtype):
     full, branch = str(tmp_path / "full"), str(tmp_path / "branch")
-    # the uninterrupted run: steps 0..30, checkpointing every step
-    train("--run-dir", full, "--backend", backend, "--dtype", dtype)
+    # the uninterrupted run: steps 0..30, checkpointing every step; every 5th stays a restore point
+    train("--run-dir", full, "--backend", backend, "--dtype", dtype, "--keep-every", "5")
     shutil.copytree(full, branch)
     # a fresh process restores step 15 and trains steps 16..30 again
-    out = train("--run-dir", branch, "--backend", backend, "--dtype", dtype, "--resume-from", "15")
+    out = train("--run-dir", branch, "--backend", backend, "--dtype", dtype, "--keep-every", "5",
+                "--resume-from", "15")
     assert "resumed from step 15" in out
     want, want_values = step_tensors(full, 30)
     got, got_values = step_tensors(branch, 30)
