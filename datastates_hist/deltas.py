@@ -99,6 +99,7 @@ class Anchors:
             self.forget()
 
     def forget(self) -> None:
-        """The step failed: its anchors' buffers hold a mix of two steps; start again from keys."""
+        """Start again from keys: a step failed (its anchors' buffers hold a mix of two steps),
+        or steps were removed that anchors are or need."""
         self._anchors.clear()
         self._pending.clear()
