@@ -378,6 +378,7 @@ class Store:
         # the newest decoded values of each tensor: reading step after step decodes each delta once
         self._decoded: OrderedDict[tuple, np.ndarray] = OrderedDict()  # (name, (step, time)) -> bytes
         self._decoded_bytes = 0
+        self._decoded_of: dict[str, list[tuple]] = {}  # tensor name -> its keys in _decoded
         self._decoded_lock = threading.Lock()  # dask reads steps from several threads
         self._base_steps: OrderedDict[tuple, StepData] = OrderedDict()
         self._bases_lock = threading.RLock()  # a base's own bases are read inside
@@ -544,11 +545,14 @@ class Store:
                 return
             self._decoded[key] = value
             self._decoded_bytes += value.nbytes
-            mine = [k for k in self._decoded if k[0] == name]
-            for old in mine[:-DECODED_PER_TENSOR]:
-                self._decoded_bytes -= self._decoded.pop(old).nbytes
+            mine = self._decoded_of.setdefault(name, [])  # this tensor's keys, oldest first
+            mine.append(key)
+            while len(mine) > DECODED_PER_TENSOR:
+                self._decoded_bytes -= self._decoded.pop(mine.pop(0)).nbytes
             while self._decoded_bytes > DECODED_BYTES and len(self._decoded) > 1:
-                self._decoded_bytes -= self._decoded.popitem(last=False)[1].nbytes
+                old, value = self._decoded.popitem(last=False)
+                self._decoded_bytes -= value.nbytes
+                self._decoded_of[old[0]].remove(old)
 
     def _check_records(self, data: StepData) -> None:
         """The manifest and the index rows must describe the same tensors: a read
