@@ -4,7 +4,9 @@ The checksum is xxh3-64 of the stored bytes in C order (xxhash releases the GIL)
 Statistics (L2 norm, min, max, mean, population std, count of non-finite values)
 are computed in chunks that fit the CPU cache and combined with Chan's parallel
 formula, so a tensor streamed through the host cache gets the same figures as
-one read whole. The C kernel ``_fused`` (float64 accumulators, one pass over
+one read whole. The distribution of a floating-point tensor is counted with them:
+its values by sign and binary exponent (:func:`distribution`), exact, and cheap
+enough to keep for every step. The C kernel ``_fused`` (float64 accumulators, one pass over
 memory that also makes the snapshot's copy) does a chunk when it is built;
 numpy otherwise.
 """
@@ -58,8 +60,52 @@ def merge_moments(a: tuple[int, float, float], b: tuple[int, float, float]) -> t
     return total, mean_a + delta * n_b / total, m2_a + (m2_b + delta * delta * n_a * n_b / total)
 
 
+# biased exponent bits of float32 and float64: the counts' layout (see _fused.c)
+_EXPONENT_BITS = {4: 8, 8: 11}
+
+
+def _count_exponents(x: np.ndarray, counts: np.ndarray) -> None:
+    """Add the values of float32/float64 ``x`` to ``counts`` by sign and biased exponent,
+    ``counts[sign * NB + exponent]``: the top bits of each value, as the C kernel does."""
+    bits = x.view(np.uint32 if x.itemsize == 4 else np.uint64)
+    top = bits >> bits.dtype.type(8 * x.itemsize - 1 - _EXPONENT_BITS[x.itemsize])
+    counts += np.bincount(top.astype(np.intp), minlength=counts.size)
+
+
+def distribution(counts: np.ndarray, itemsize: int) -> dict:
+    """The stored form of exponent ``counts``: ``{"exp0", "zero", "negative", "positive"}``,
+    where ``positive[i]`` counts the values in ``[2**(exp0+i), 2**(exp0+i+1))``,
+    ``negative[i]`` those in ``(-2**(exp0+i+1), -2**(exp0+i)]``, and ``zero`` those of
+    magnitude below the smallest normal number (``2**-126`` for float32, ``2**-1022``
+    for float64): zeros and subnormals. NaN and infinities are not counted
+    (``nonfinite`` counts them)."""
+    nb = 1 << _EXPONENT_BITS[itemsize]
+    bias = nb // 2 - 1
+    signs = counts.reshape(2, nb)[:, 1:nb - 1]  # exponent 0: zero and subnormal; the last: inf, NaN
+    zero = int(counts[0] + counts[nb])
+    used = np.flatnonzero(signs.any(axis=0))
+    if used.size == 0:
+        return {"exp0": 0, "zero": zero, "negative": [], "positive": []}
+    lo, hi = int(used[0]), int(used[-1]) + 1
+    return {"exp0": lo + 1 - bias, "zero": zero,
+            "negative": signs[1, lo:hi].tolist(), "positive": signs[0, lo:hi].tolist()}
+
+
+def combine_distributions(parts: list[dict]) -> dict:
+    """The distribution of a tensor from those of its blocks (:func:`distribution`)."""
+    spans = [(d["exp0"], d["exp0"] + len(d["positive"])) for d in parts if d["positive"]]
+    lo = min((a for a, _ in spans), default=0)
+    width = max((b for _, b in spans), default=0) - lo
+    negative, positive = [0] * width, [0] * width
+    for d in parts:
+        for i, (neg, pos) in enumerate(zip(d["negative"], d["positive"]), d["exp0"] - lo):
+            negative[i] += neg
+            positive[i] += pos
+    return {"exp0": lo, "zero": sum(d["zero"] for d in parts), "negative": negative, "positive": positive}
+
+
 class Digest:
-    """Running checksum and statistics of one tensor."""
+    """Running checksum, statistics and distribution of one tensor."""
 
     def __init__(self) -> None:
         self.hasher = xxhash.xxh3_64()
@@ -69,6 +115,8 @@ class Digest:
         self.min = math.inf
         self.max = -math.inf
         self.nonfinite = 0
+        self.counts: np.ndarray | None = None  # by sign and exponent, of floating-point values
+        self.counts_itemsize = 0
 
     def update(self, raw: np.ndarray, dtype: torch.dtype) -> None:
         """Add a piece: ``raw`` its stored bytes (the storage dtype), ``dtype`` the real one.
@@ -93,7 +141,8 @@ class Digest:
         for i in range(0, flat.size, CHUNK):
             chunk = out[i:i + CHUNK]
             if fused:
-                self._merge(chunk.size, *_fused.copy_stats(flat[i:i + CHUNK], chunk, chunk.itemsize))
+                self._merge(chunk.size, *_fused.copy_stats(flat[i:i + CHUNK], chunk, chunk.itemsize,
+                                                           self._counts(chunk.itemsize)))
                 self.hasher.update(chunk.view(np.uint8))
             else:
                 np.copyto(chunk, flat[i:i + CHUNK])
@@ -101,15 +150,25 @@ class Digest:
 
     def _add_chunk(self, chunk: np.ndarray, dtype: torch.dtype) -> None:
         self.hasher.update(chunk.view(np.uint8))  # xxh3 streams: chunk by chunk is the same digest
-        self._add(as_float(chunk, dtype))
+        values = as_float(chunk, dtype)
+        self._add(values, self._counts(values.itemsize) if dtype.is_floating_point else None)
 
-    def _add(self, x: np.ndarray) -> None:
+    def _counts(self, itemsize: int) -> np.ndarray:
+        """The tensor's counts by sign and exponent, in the layout of ``itemsize`` values."""
+        if self.counts is None:
+            self.counts = np.zeros(2 << _EXPONENT_BITS[itemsize], dtype=np.int64)
+            self.counts_itemsize = itemsize
+        return self.counts
+
+    def _add(self, x: np.ndarray, counts: np.ndarray | None) -> None:
         n = x.size
         if n == 0:
             return
         if _fused is not None and x.dtype in _FLOATS and x.flags.c_contiguous:
-            self._merge(n, *_fused.copy_stats(x, None, x.itemsize))
+            self._merge(n, *_fused.copy_stats(x, None, x.itemsize, counts))
             return
+        if counts is not None:
+            _count_exponents(x, counts)
         # numpy's float32 sums are pairwise: accurate enough, and twice as fast as float64.
         # Inf and NaN are data here, not mistakes: they are counted, not warned about.
         with np.errstate(over="ignore", invalid="ignore"):
@@ -123,7 +182,7 @@ class Digest:
         if not (math.isfinite(total_sum) and math.isfinite(m2_c)):
             bad = n - int(np.count_nonzero(np.isfinite(x)))
             if bad == 0 and x.dtype != np.float64:  # finite values whose float32 sums overflowed
-                self._add(x.astype(np.float64))
+                self._add(x.astype(np.float64), None)  # counted already
                 return
         self._merge(n, total_sum, m2_c, lo, hi, bad)
 
@@ -144,6 +203,11 @@ class Digest:
         if buf is None or buf.size < x.size:
             buf = Digest._buffers[key] = np.empty(max(x.size, CHUNK), dtype=x.dtype)
         return buf[:x.size]
+
+    def distribution(self) -> dict | None:
+        """The tensor's values by sign and binary exponent (:func:`distribution`); None
+        for a tensor that is not of a floating-point type."""
+        return None if self.counts is None else distribution(self.counts, self.counts_itemsize)
 
     def checksum(self) -> str:
         return self.hasher.hexdigest()

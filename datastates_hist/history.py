@@ -1,9 +1,9 @@
 """The History API: read-only access to a run, for analysis and notebooks.
 
 ``dh.open(path)`` sees committed steps only, and is safe while a writer
-appends or prunes. Statistics and scalars (the loss, the learning rates: the
-numbers written with each step) come from the index without reading tensor
-data; ``read`` reads only the selection asked for; ``diff`` compares two
+appends or prunes. Statistics, distributions and scalars (the loss, the
+learning rates: the numbers written with each step) come from the index
+without reading tensor data; ``read`` reads only the selection asked for; ``diff`` compares two
 steps (of one run or of two runs) tensor by tensor.
 """
 
@@ -20,7 +20,7 @@ from .dtypes import storage_torch_dtype
 from .errors import StepNotFoundError
 from .index import STAT_KEYS, TENSOR_STATS
 from .items import MODEL_PREFIX, matches
-from .scalars import close_names, matches_scalar, resolve_scalar, scalars_of
+from .scalars import close_hint, matches_scalar, resolve_scalar, scalars_of
 from .store import StepData, Store
 
 
@@ -71,9 +71,7 @@ class History:
         if MODEL_PREFIX + name in names:
             return MODEL_PREFIX + name
         where = f"step {step}" if step is not None else "any step"
-        close = [n for n in names if n.endswith(name)][:3]
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise KeyError(f"no tensor {name!r} in {where} of {self.path}{hint}")
+        raise KeyError(f"no tensor {name!r} in {where} of {self.path}{close_hint(name, sorted(names))}")
 
     def stats(self, name: str):
         """Per-step statistics of one tensor from the index, as a DataFrame indexed by step;
@@ -84,6 +82,33 @@ class History:
         full = self.resolve(name)
         rows = self.store.index.tensor_stats(full)
         df = pd.DataFrame(rows, columns=["step", "time", *TENSOR_STATS]).set_index("step")
+        df.attrs["name"] = full
+        return df
+
+    def histogram(self, name: str):
+        """How the values of one tensor of floats are distributed at every step, from the
+        index: a DataFrame indexed by step, one column per bin, holding counts.
+
+        Bins are by sign and binary exponent: column ``2.0**e`` counts the values in
+        ``[2**e, 2**(e+1))``, column ``-2.0**e`` those in ``(-2**(e+1), -2**e]``, column
+        ``0.0`` the zeros, with the subnormal values of float32, bfloat16 and float64
+        (a float16 or float8 value is binned by its exponent, subnormal or not);
+        columns run from the most negative bin to the most positive. NaN and
+        infinities are in no bin (see
+        :meth:`stats`, ``nonfinite``). A step written before distributions were
+        recorded has no row.
+        """
+        import pandas as pd
+
+        full = self.resolve(name)
+        rows = {}
+        for step, d in self.store.index.distributions(full):
+            row = {-(2.0 ** (d["exp0"] + i)): n for i, n in enumerate(d["negative"]) if n}
+            row[0.0] = d["zero"]
+            row.update({2.0 ** (d["exp0"] + i): n for i, n in enumerate(d["positive"]) if n})
+            rows[step] = row
+        df = pd.DataFrame.from_dict(rows, orient="index").fillna(0).astype("int64")
+        df = df.reindex(columns=_bins(df.columns), fill_value=0).rename_axis("step")
         df.attrs["name"] = full
         return df
 
@@ -163,8 +188,7 @@ class History:
             found_scalars = ([n for n in known if matches_scalar(n, [name])] if glob
                              else [full] if (full := resolve_scalar(name, known)) else [])
             if not found_tensors and not found_scalars:
-                close = close_names(name, known + tensors)
-                hint = f"; close names: {', '.join(close)}" if close else ""
+                hint = close_hint(name, known + tensors)
                 raise KeyError(f"no tensor matches {name!r} in {self.path}, nor a scalar{hint}" if glob
                                else f"no tensor {name!r} in {self.path}, nor a scalar{hint}")
             frame = self._scalar_frame(rows, found_scalars)
@@ -179,9 +203,7 @@ class History:
         known = sorted({n for _, n, _ in rows})
         full = resolve_scalar(name, known)
         if full is None:
-            close = close_names(name, known)
-            hint = f"; close names: {', '.join(close)}" if close else ""
-            raise KeyError(f"no scalar {name!r} in {self.path}{hint}")
+            raise KeyError(f"no scalar {name!r} in {self.path}{close_hint(name, known)}")
         return full
 
     def _scalar_frame(self, rows: list[tuple], names: str | list[str] | None):
@@ -276,6 +298,17 @@ class History:
 def open(path) -> History:  # noqa: A001 (the public name is dh.open)
     """Open the run at ``path`` for reading."""
     return History(path)
+
+
+def _bins(found) -> list[float]:
+    """Every bin from the lowest to the highest exponent ``found`` on each side of zero,
+    with zero: bins no step uses inside that span stay, so that columns are evenly spaced."""
+    bins = [0.0]
+    for sign in (-1.0, 1.0):
+        exponents = [math.frexp(abs(b))[1] - 1 for b in found if b * sign > 0]
+        if exponents:
+            bins += [sign * 2.0 ** e for e in range(min(exponents), max(exponents) + 1)]
+    return sorted(bins)
 
 
 def selection(index: Any, shape: tuple[int, ...]) -> tuple[tuple, tuple, tuple]:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from .errors import CorruptionError, FormatError, StoreNotFoundError
-from .items import TensorRecord
+from .items import TensorRecord, is_distribution
 from .layout import INDEX_FILE, PARTIAL, RANKS_SUFFIX, entry_path, finished_units, index_path, step_stem, steps_dir
 
 FORMAT_VERSION = 2
@@ -49,6 +49,7 @@ CREATE TABLE IF NOT EXISTS tensors (
     stored INTEGER,                  -- bytes stored, when encoded
     base INTEGER,                    -- the step a delta is encoded against
     update_ratio REAL,               -- ||x - base|| / ||base|| of a delta of floats
+    distribution TEXT,               -- JSON: a tensor of floats' values by sign and exponent
     PRIMARY KEY (step, name)
 );
 CREATE TABLE IF NOT EXISTS scalars (
@@ -73,10 +74,10 @@ _COLUMNS = {
 # Tables an index written by an earlier version lacks: checked when present.
 _GROWN_COLUMNS = {"scalars": ("step", "name", "value")}
 
-# Columns of ``tensors`` added in version 2 (an index of version 1 lacks them: a writer
+# Columns of ``tensors`` added since version 1 (an index written before lacks some: a writer
 # adds them, a reader reads their defaults), with what a row without them means.
 _TENSOR_V2 = (("part", "TEXT NOT NULL DEFAULT ''", "''"), ("stored", "INTEGER", "NULL"),
-              ("base", "INTEGER", "NULL"), ("update_ratio", "REAL", "NULL"))
+              ("base", "INTEGER", "NULL"), ("update_ratio", "REAL", "NULL"), ("distribution", "TEXT", "NULL"))
 
 STAT_KEYS = ("norm", "min", "max", "mean", "std", "nonfinite")
 # the per-step statistics of a tensor in the index: its summary, and a delta's update ratio
@@ -252,10 +253,10 @@ class Index:
                  row.tier, row.manifest_checksum),
             )
             self.conn.executemany(
-                "INSERT INTO tensors VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO tensors VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [(row.step, r.name, r.dtype, json.dumps(list(r.shape)), r.nbytes, r.checksum,
                   r.encoding, *(r.stats.get(k) for k in STAT_KEYS), r.part, r.stored, r.base,
-                  r.update_ratio) for r in records],
+                  r.update_ratio, _json_or_null(r.distribution)) for r in records],
             )
             if scalars is not None:
                 self._insert_scalars(row.step, scalars)
@@ -326,8 +327,11 @@ class Index:
                     "name": name, "dtype": dtype, "shape": json.loads(shape), "nbytes": nbytes,
                     "checksum": checksum, "encoding": encoding,
                     "stats": {k: v for k, v in zip(STAT_KEYS, stats) if v is not None},
-                    "part": part, "stored": stored, "base": base, "update_ratio": ratio}, indexed=True)
-                for name, dtype, shape, nbytes, checksum, encoding, *stats, part, stored, base, ratio in rows
+                    "part": part, "stored": stored, "base": base, "update_ratio": ratio,
+                    "distribution": json.loads(distribution) if distribution is not None else None},
+                    indexed=True)
+                for name, dtype, shape, nbytes, checksum, encoding, *stats, part, stored, base, ratio,
+                distribution in rows
             ]
         except ValueError as exc:  # a damaged or crafted row: named before its sizes are used
             raise CorruptionError(
@@ -352,6 +356,26 @@ class Index:
             " FROM tensors t JOIN steps s ON s.step = t.step WHERE t.name=? ORDER BY t.step",
             (name,),
         )
+
+    def distributions(self, name: str) -> list[tuple[int, dict]]:
+        """``(step, distribution)`` of tensor ``name`` at every step that records one
+        (:func:`digest.distribution`)."""
+        if "distribution" not in self._tensor_columns:
+            return []
+        rows = self._read("SELECT step, distribution FROM tensors WHERE name=? AND distribution IS NOT NULL"
+                          " ORDER BY step", (name,))
+        found = []
+        for step, text in rows:
+            try:
+                d = json.loads(text)
+            except (TypeError, ValueError):
+                d = None
+            if not is_distribution(d):
+                raise CorruptionError(
+                    f"the index {self.path} is damaged: step {step}: tensor {name!r} has a malformed "
+                    f"distribution (rebuild it from the step data with: datastates-hist repair {self.run_dir})")
+            found.append((step, d))
+        return found
 
     def has_scalars(self) -> bool:
         """Whether the index has the ``scalars`` table (an index written before it has none)."""
@@ -395,6 +419,18 @@ class Index:
     def close(self) -> None:
         if self.conn is not None:
             self.conn.close()
+
+
+def open_existing(run_dir: str) -> "Index":
+    """The index of the run at ``run_dir``, opened for reading; a folder that is missing
+    is :class:`StoreNotFoundError` ``no run at``, one without an index another."""
+    if not os.path.isdir(run_dir):
+        raise StoreNotFoundError(f"no run at {run_dir}")
+    return Index(run_dir)
+
+
+def _json_or_null(value) -> str | None:
+    return None if value is None else json.dumps(value, separators=(",", ":"))
 
 
 # --- the unit an index row names ------------------------------------------------------------

@@ -67,8 +67,9 @@ class ValueItem:
 
 
 # How a tensor is stored (section 6 of docs/format.md): its bytes as they are,
-# compressed alone, or compressed as the XOR with its value at an earlier step.
-ENCODINGS = ("raw", "key", "delta")
+# compressed alone, or compressed as the residual against its values at earlier steps.
+RAW, KEY, DELTA = "raw", "key", "delta"
+ENCODINGS = (RAW, KEY, DELTA)
 PARTS = ("", "restore")
 
 
@@ -94,6 +95,8 @@ class TensorRecord:
     base2: int | None = None  # a delta extrapolated from two steps: the base's own base
     chunks: list[list[int]] | None = None  # an encoded tensor: [[raw, stored, flag], ...] (codecs.py)
     update_ratio: float | None = None  # a delta of floats: ||x - base|| / ||base||
+    # a tensor of floats: its values by sign and binary exponent (digest.distribution)
+    distribution: dict | None = None
 
     def to_json(self) -> dict:
         doc = {
@@ -105,7 +108,7 @@ class TensorRecord:
             doc["global_shape"], doc["offset"] = list(self.global_shape), list(self.offset)
         if self.blocks is not None:
             doc["blocks"] = self.blocks
-        for key in ("stored", "base", "base2", "chunks", "update_ratio"):
+        for key in ("stored", "base", "base2", "chunks", "update_ratio", "distribution"):
             if getattr(self, key) is not None:
                 doc[key] = getattr(self, key)
         return doc
@@ -133,6 +136,7 @@ class TensorRecord:
                 part=data.get("part") or "", stored=data.get("stored"), base=data.get("base"),
                 base2=data.get("base2"),
                 chunks=data.get("chunks"), update_ratio=data.get("update_ratio"),
+                distribution=data.get("distribution"),
             )
         except KeyError as exc:
             raise ValueError(f"the record of tensor {data.get('name')!r} has no {exc.args[0]!r}") from None
@@ -174,6 +178,8 @@ class TensorRecord:
             self._check_encoded(itemsize, indexed)
         if self.blocks is not None:
             self._check_blocks()
+        if self.distribution is not None and not is_distribution(self.distribution):
+            raise ValueError(f"tensor {name!r} has a malformed distribution: {str(self.distribution)[:200]}")
 
     def _check_encoded(self, itemsize: int, indexed: bool) -> None:
         name = self.name
@@ -242,6 +248,17 @@ def _tuple(value):
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_distribution(d) -> bool:
+    """``{"exp0", "zero", "negative", "positive"}`` as :func:`digest.distribution` makes it."""
+    if not (isinstance(d, dict) and set(d) == {"exp0", "zero", "negative", "positive"}):
+        return False
+    counts = d["negative"], d["positive"]
+    # the normal exponents of float64, -1022..1023; counts of at most 2**63-1 values
+    return (_is_int(d["exp0"]) and all(isinstance(c, list) for c in counts)
+            and len(counts[0]) == len(counts[1]) and -1022 <= d["exp0"] <= d["exp0"] + len(counts[1]) <= 1024
+            and all(_is_int(n) and 0 <= n < 2**63 for n in (d["zero"], *counts[0], *counts[1])))
 
 
 def _is_dims(dims) -> bool:

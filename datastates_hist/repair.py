@@ -8,9 +8,11 @@ values. So a damaged or lost ``index.sqlite`` can be rebuilt:
    killed repair left (``RUN/index.sqlite.rebuilding/``);
 2. build the new index aside, in ``RUN/index.sqlite.rebuilding/index.sqlite``:
    one row per unit whose manifest parses and whose tensors all match their
-   checksums. Commit times are taken from the old index where it can still be
-   read, else from the unit's modification time. Nothing of the run is changed
-   yet, so a repair killed here leaves the run as it was;
+   checksums, with the step's scalars (:mod:`.scalars`, from the manifest's
+   values, as a commit records them). Commit times are taken from the old
+   index where it can still be read, else from the unit's modification time.
+   Nothing of the run is changed yet, so a repair killed here leaves the run
+   as it was;
 3. fsync the new index (one file: its journal mode is DELETE, no ``-wal``),
    move units that cannot be committed to ``RUN/damaged/``, move the old
    index aside, rename the new one into place and fsync the run folder.
@@ -69,6 +71,7 @@ from .index import FORMAT_VERSION, Index, StepRow
 from .items import TensorRecord
 from .layout import (DAMAGED_DIR, MAX_STEP, RANKS_SUFFIX, REBUILDING_DIR, RESTORE_PART, finished_units, index_path,
                      rank_file, restore_unit, steps_dir, take_writer_lock)
+from .scalars import scalars_of
 from .store import DECODED_PER_TENSOR, StepData
 
 PREVIOUS_INDEX_SUFFIX = ".previous"  # the healthy index a forced repair replaced: RUN/index.sqlite.previous
@@ -265,7 +268,8 @@ def _commit_units(run_dir: str, index: Index, units: list[str], backends, old_ti
     for unit in sorted((u for u in units if _main_of(u) is None), key=_unit_order):
         restore = restores.pop(unit, None)
         try:
-            row, records, restore_checksum = _read_unit(run_dir, unit, backends, old_times, verify, bases)
+            row, records, scalars, restore_checksum = _read_unit(run_dir, unit, backends, old_times, verify,
+                                                                 bases)
             if row.step in bases.rows:
                 raise ValueError(f"a second unit of step {row.step}")
         except ImportError:
@@ -289,7 +293,7 @@ def _commit_units(run_dir: str, index: Index, units: list[str], backends, old_ti
             except Exception as exc:
                 bad.append((restore, str(exc)))
         bases.accept(row, records)
-        index.commit_step(row, records)
+        index.commit_step(row, records, scalars)
     bad += [(unit, f"a restore unit whose main unit {main} is missing") for main, unit in restores.items()]
     return sorted(bases.rows), bad
 
@@ -375,9 +379,9 @@ def _backend_of(run_dir: str, unit: str, backends, strict: bool = True) -> str |
 
 
 def _read_unit(run_dir: str, unit: str, backends, old_times: dict[int, float], verify: bool,
-               bases: _AcceptedUnits) -> tuple[StepRow, list[TensorRecord], str | None]:
-    """The index row and records of a step's main unit, from its manifest, and the
-    checksum of its restore unit's manifest (None: the step has one unit); raises
+               bases: _AcceptedUnits) -> tuple[StepRow, list[TensorRecord], dict, str | None]:
+    """The index row, records and scalars of a step's main unit, from its manifest, and
+    the checksum of its restore unit's manifest (None: the step has one unit); raises
     if damaged. A main unit that names a restore unit is a trajectory point until
     its restore unit is found intact."""
     _check_inside_steps(run_dir, unit)
@@ -400,6 +404,7 @@ def _read_unit(run_dir: str, unit: str, backends, old_times: dict[int, float], v
             raise ValueError("its manifest is a restore unit's, but it is named as a main unit")
         restore_checksum = _restore_checksum(doc)
         records = [TensorRecord.from_json(r) for r in doc["tensors"]]
+        scalars = _scalars(doc)
         row = StepRow(
             step=step, time=old_times.get(step, _mtime(run_dir, unit)), backend=backend,
             location=unit, nbytes=sum(r.nbytes for r in records), ntensors=len(records),
@@ -410,9 +415,17 @@ def _read_unit(run_dir: str, unit: str, backends, old_times: dict[int, float], v
             data = StepData(run_dir, row, reader, bases=bases)
             for name in data.records:
                 data.read(name)  # raises CorruptionError naming the tensor
-        return row, records, restore_checksum
+        return row, records, scalars, restore_checksum
     finally:
         reader.close()
+
+
+def _scalars(doc: dict) -> dict[str, int | float]:
+    """The scalars among the values of a main unit's manifest (a commit records the same)."""
+    values = doc.get("values")
+    if not (isinstance(values, dict) and isinstance(values.get("items"), dict)):
+        raise ValueError("its values are not {'items': {...}, 'objects': {...}}")
+    return scalars_of(values["items"])
 
 
 def _restore_checksum(doc: dict) -> str | None:

@@ -114,6 +114,12 @@ def resolve_scalar(name: str, known: list[str]) -> str | None:
     return next((n for n in (name, *(p + name for p in SHORT_PREFIXES)) if n in have), None)
 
 
+def close_hint(name: str, known: list[str]) -> str:
+    """``"; close names: a, b"`` for an error about ``name``, or ``""`` when none is close."""
+    close = close_names(name, known)
+    return f"; close names: {', '.join(close)}" if close else ""
+
+
 def close_names(name: str, known: list[str], n: int = 3) -> list[str]:
     """Up to ``n`` of ``known`` that look like ``name`` (compared by full and short names)."""
     by_form = {}

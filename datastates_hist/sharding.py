@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .digest import checksum_bytes
+from .digest import checksum_bytes, combine_distributions
 from .dtypes import storage_dtype
 from .items import TensorItem, TensorRecord, tiling_problem
 
@@ -126,15 +126,18 @@ def _merge(name: str, found: list[tuple[int, TensorRecord]], parts: bool) -> Ten
             )
         start = rec.offset if rec.offset is not None else (0,) * len(shape)
         blocks.append({"start": list(start), "count": list(rec.shape), "checksum": rec.checksum,
-                       "part": rank if parts else None, "stats": rec.stats})
+                       "part": rank if parts else None, "stats": rec.stats, "distribution": rec.distribution})
     blocks.sort(key=lambda b: b["start"])
     _check_tiling(name, shape, blocks, [r for r, _ in found])
     whole = len(blocks) == 1
     checksum = blocks[0]["checksum"] if whole else "blocks:" + checksum_bytes(
         ",".join(b["checksum"] for b in blocks).encode())
     stats = combine_stats([(math.prod(b["count"]), b.pop("stats")) for b in blocks])
+    distributions = [b.pop("distribution") for b in blocks]
+    distribution = None if None in distributions else combine_distributions(distributions)
     total = sum(r.nbytes for _, r in found)  # the blocks tile the tensor (checked above)
-    return TensorRecord(name, first.dtype, tuple(shape), total, checksum, "raw", stats, blocks=blocks)
+    return TensorRecord(name, first.dtype, tuple(shape), total, checksum, "raw", stats, blocks=blocks,
+                        distribution=distribution)
 
 
 def _check_tiling(name: str, shape, blocks: list[dict], ranks: list[int]) -> None:

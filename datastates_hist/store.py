@@ -22,9 +22,9 @@ from .boxes import overlap
 from .cache import aligned
 from .digest import checksum_bytes
 from .dtypes import dtype_name, storage_dtype, storage_torch_dtype, torch_dtype
-from .errors import CorruptionError, StepNotFoundError, StoreNotFoundError
+from .errors import CorruptionError, StepNotFoundError
 from .codecs import decode
-from .index import Index, StepRow, unit_path
+from .index import StepRow, open_existing, unit_path
 from .items import TensorRecord
 from .layout import restore_unit, steps_dir, unit_bytes
 
@@ -371,10 +371,8 @@ class Store:
     """A run opened for reading (safe while a writer appends)."""
 
     def __init__(self, run_dir: str):
-        if not os.path.isdir(run_dir):
-            raise StoreNotFoundError(f"no run at {run_dir}")
         self.run_dir = run_dir
-        self.index = Index(run_dir)
+        self.index = open_existing(run_dir)
         # the newest decoded values of each tensor: reading step after step decodes each delta once
         self._decoded: OrderedDict[tuple, np.ndarray] = OrderedDict()  # (name, (step, time)) -> bytes
         self._decoded_bytes = 0

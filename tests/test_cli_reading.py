@@ -208,10 +208,13 @@ def test_diff_ranks_most_changed_first_without_counters(run):
     for metric, most_changed_first in (("l2", True), ("rel_l2", True), ("max_abs", True),
                                        ("frac_changed", True), ("cosine", False)):
         rows = ranked(run, "1", "3", "--sort", metric)
-        values = [r[metric] for r in rows]
-        numbers = [v for v in values if not math.isnan(v)]
-        assert values[:len(numbers)] == numbers  # NaN last
-        assert numbers == sorted(numbers, reverse=most_changed_first), metric
+        groups = [r["name"].split("/")[0] for r in rows]
+        assert groups == sorted(groups, key=["model", "optim"].index)  # the model's tensors first
+        for group in ("model", "optim"):
+            values = [r[metric] for r in rows if r["name"].startswith(group + "/")]
+            numbers = [v for v in values if not math.isnan(v)]
+            assert values[:len(numbers)] == numbers  # NaN last of its group
+            assert numbers == sorted(numbers, reverse=most_changed_first), (metric, group)
         assert ranked(run, "1", "3", "--sort", metric, "--top", "3") == rows[:3]
     every = ranked(run, "1", "3", "--all")
     assert {r["name"] for r in every} == set(names) | set(counters)
@@ -250,7 +253,7 @@ def test_export_refuses_a_missing_folder_an_unknown_format_and_overwriting(run, 
     wrong = str(tmp_path / "x.bin")
     out = cli("export", run, "3", "--to", wrong)
     assert out.returncode == 2 and not os.path.exists(wrong)
-    assert out.stderr == f"datastates-hist: cannot write {wrong}: export writes .safetensors, .pt, .pth files\n"
+    assert out.stderr == f"datastates-hist: cannot write {wrong}: export writes .safetensors, .pt, .pth, .dcp files (or say which with --format)\n"
     target = tmp_path / "x.pth"
     target.write_bytes(b"keep me")
     out = cli("export", run, "3", "--to", str(target))

@@ -5,7 +5,9 @@ directory holding the run, so the kernel's working directory is ``examples/`` wh
 
 import base64
 import json
+import math
 import os
+import re
 import sqlite3
 import statistics
 import subprocess
@@ -114,6 +116,18 @@ def test_notebook_executes_as_the_readme_says(started_in, monkeypatch):
     want = median_recent_ratios(str(started_in / "runs" / "gpt"))
     assert len(want) == 3 * 4 + 3  # the tiny GPT's 3 blocks of 4 matrices; tok_emb, pos_emb, head
     assert printed == {name: pytest.approx(value, rel=1e-4) for name, value in want.items()}
+
+    distributions, = [c for c in cells if c.get("id") == "distribution-over-steps"]
+    assert [o.output_type for o in distributions.outputs] == ["display_data", "stream", "execute_result"]
+    line = distributions.outputs[1].text.strip()
+    with sqlite3.connect(os.path.join(started_in / "runs" / "gpt", "index.sqlite")) as db:
+        bins = {e + i for d, in db.execute("SELECT distribution FROM tensors WHERE name='model/blocks.0.qkv.weight'")
+                for e in [json.loads(d)["exp0"]] for i, n in enumerate(json.loads(d)["positive"]) if n}
+        shape, = db.execute("SELECT shape FROM tensors WHERE name='model/blocks.0.qkv.weight' AND step=11").fetchone()
+    found = re.fullmatch(r"blocks\.0\.qkv\.weight: 12 steps, (\d+) bins, (\d+) values at step 11", line)
+    assert found, line
+    assert int(found[2]) == math.prod(json.loads(shape))  # every value of the qkv matrix, in some bin
+    assert int(found[1]) >= len(bins)  # at least the positive bins any step uses
 
 
 def test_notebook_opens_the_run_from_examples_too(started_in, monkeypatch):

@@ -3,10 +3,17 @@
     datastates-hist diff RUN A B [--names GLOB] [--top N] [--sort METRIC] [--all]
     datastates-hist diff RUN_A:STEP RUN_B:STEP
 
-Tensors are ranked most changed first. Tensors of whole numbers only (an
-optimizer's ``step`` counters, BatchNorm's ``num_batches_tracked``, masks) change
-by design and say nothing of how the model moves: they are left out unless
-``--names`` or ``--all`` asks for them.
+Tensors are ranked by group, most changed first within each: the model's
+tensors (``model/``) first, then those of other objects (``extra/``), then the
+optimizer's state (``optim/``). An optimizer's moments change relatively more
+than the weights they move, by design, and would otherwise fill the top of the
+table; so ``--top N`` lists the model's most changed tensors, and
+``--names 'optim/*'`` ranks the optimizer's state alone. Tensors of whole
+numbers only (an optimizer's ``step`` counters, BatchNorm's
+``num_batches_tracked``, masks) change by design and say nothing of how the
+model moves: they are left out unless ``--names`` or ``--all`` asks for them.
+A tensor that was all zeros at A has no relative change (``rel_l2`` blank) and
+is ranked last of its group by it.
 """
 
 from __future__ import annotations
@@ -14,12 +21,15 @@ from __future__ import annotations
 import math
 from argparse import ArgumentTypeError
 
+from ..items import under
 from . import count, resolve_step, step_choice
 from .output import add_json_flag, emit
 
 METRICS = ("l2", "rel_l2", "max_abs", "cosine", "frac_changed")
 # how each metric puts the most changed first: cosine is 1 for an unchanged direction
 MOST_CHANGED_FIRST = {"l2": -1, "rel_l2": -1, "max_abs": -1, "cosine": 1, "frac_changed": -1}
+# the groups of tensors in the order they are listed; tensors of no group come last
+GROUPS = ("model", "extra", "optim")
 
 
 def add_parser(sub):
@@ -29,10 +39,11 @@ def add_parser(sub):
     cmd.add_argument("targets", nargs="+", metavar="RUN A B | RUN_A:STEP RUN_B:STEP")
     cmd.add_argument("--names", action="append", metavar="GLOB",
                      help="only tensors matching GLOB ('model/' may be left out); repeatable")
-    cmd.add_argument("--top", type=count, metavar="N", help="only the N most changed tensors")
+    cmd.add_argument("--top", type=count, metavar="N",
+                     help="only the first N rows (the model's most changed tensors come first)")
     cmd.add_argument("--sort", choices=METRICS, default="rel_l2",
-                     help="rank by this metric, most changed first: largest first, "
-                          "cosine smallest first (default rel_l2)")
+                     help="rank by this metric, most changed first (largest first, cosine smallest "
+                          "first), within each group: model/, then extra/, then optim/ (default rel_l2)")
     cmd.add_argument("--all", action="store_true",
                      help="also tensors of whole numbers only (step counters, masks), "
                           "left out unless --names selects them")
@@ -54,11 +65,18 @@ def parse_targets(targets: list[str]) -> tuple[str, int, str, int]:
     raise ValueError(f"diff takes RUN A B or RUN_A:STEP RUN_B:STEP, got {' '.join(targets)}")
 
 
+def group_of(name: str) -> int:
+    """The place of the group of tensor ``name`` in :data:`GROUPS` (``len(GROUPS)``: none)."""
+    return next((i for i, group in enumerate(GROUPS) if under(name, group)), len(GROUPS))
+
+
 def rank(df, metric: str):
-    """``df`` most changed first by ``metric``; rows where it is NaN (not compared) last."""
+    """``df`` by group (:data:`GROUPS`), most changed first by ``metric`` within each;
+    rows where it is NaN (not compared, no relative change) last of their group."""
     sign = MOST_CHANGED_FIRST[metric]
-    key = df[metric].map(lambda v: math.inf if v != v else sign * v)
-    return df.loc[key.sort_values(kind="stable").index]
+    keys = {i: (group_of(name), math.inf if v != v else sign * v)
+            for i, name, v in zip(df.index, df["name"], df[metric])}
+    return df.loc[sorted(df.index, key=keys.__getitem__)]
 
 
 def run(args) -> int:

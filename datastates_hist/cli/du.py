@@ -14,7 +14,8 @@ import os
 
 from ..items import ENCODINGS
 from ..layout import finished_units, restore_unit, steps_dir, unit_bytes
-from .ls import add_run_command, kind, open_index
+from ..index import open_existing
+from .ls import add_run_command, kind
 from .output import emit, size
 
 KINDS = {"restore": "restore points", "trajectory": "trajectory points"}
@@ -27,7 +28,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    index = open_index(args.run)
+    index = open_existing(args.run)
     try:
         rows = index.step_rows()
         sums = index.stored_bytes()

@@ -8,10 +8,7 @@ prints at once.
 
 from __future__ import annotations
 
-import os
-
-from ..errors import StoreNotFoundError
-from ..index import Index
+from ..index import Index, open_existing
 from .output import add_json_flag, emit, size, when
 
 
@@ -28,7 +25,7 @@ def add_run_command(sub, name: str, help_text: str):
 
 
 def run(args) -> int:
-    index = open_index(args.run)
+    index = open_existing(args.run)
     try:
         rows = index.step_rows()
         stored = stored_by_step(index)
@@ -58,9 +55,3 @@ def stored_by_step(index: Index) -> dict[int, int]:
     return stored
 
 
-def open_index(run_dir: str) -> Index:
-    """The index of a run, opened for reading, for the commands that need no tensor
-    (the same errors as :class:`~datastates_hist.store.Store`, without importing torch)."""
-    if not os.path.isdir(run_dir):
-        raise StoreNotFoundError(f"no run at {run_dir}")
-    return Index(run_dir)

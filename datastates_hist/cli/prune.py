@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..retention import doomed, policies, protect_bases, step_bytes
 from . import count
-from .ls import open_index
+from ..index import open_existing
 from .output import add_json_flag, emit, size
 
 
@@ -33,7 +33,7 @@ def run(args) -> int:
     if args.keep_last is None and args.keep_every is None:
         raise ValueError("say what to keep: --keep-last N and/or --keep-every K")
     rules = policies(args.keep_last, args.keep_every)
-    index = open_index(args.run)  # a clear error for a missing run, before anything is created
+    index = open_existing(args.run)  # a clear error for a missing run, before anything is created
     if args.dry_run:
         try:
             committed = index.steps()

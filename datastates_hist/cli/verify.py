@@ -1,5 +1,8 @@
 """``datastates-hist verify RUN [STEP ...]``: re-read every tensor and check its checksum.
 
+A STEP is a committed step, ``latest``, or a negative number counting back from
+the newest (-1 the newest); without one, every step is checked.
+
 Exit 0 when every step checked is intact, 1 when anything is damaged (each
 problem is printed with its step and tensor), 3 for a missing run or step,
 4 when the index itself is damaged (then see ``datastates-hist repair``).
@@ -9,14 +12,15 @@ from __future__ import annotations
 
 import sys
 
-from . import EXIT_FAILED, step_number
+from . import EXIT_FAILED, STEP_HELP, resolve_step, step_choice
 from .output import add_json_flag, emit, size
 
 
 def add_parser(sub):
     cmd = sub.add_parser("verify", help="check every tensor of a run against its checksum")
     cmd.add_argument("run", help="the run directory")
-    cmd.add_argument("steps", type=step_number, nargs="*", metavar="STEP", help="steps to check (default: all)")
+    cmd.add_argument("steps", type=step_choice, nargs="*", metavar="STEP",
+                     help=f"steps to check (default: every step); each {STEP_HELP}")
     add_json_flag(cmd)
     return cmd
 
@@ -27,7 +31,9 @@ def run(args) -> int:
 
     store = Store(args.run)
     try:
-        rows = [store.row(s) for s in args.steps] if args.steps else store.index.step_rows()
+        # a step named twice (3 and latest) is checked once
+        steps = dict.fromkeys(resolve_step(store, s) for s in args.steps)
+        rows = [store.row(s) for s in steps] if steps else store.index.step_rows()
     finally:
         store.close()
     checked = {"steps": set(), "tensors": 0, "bytes": 0}
