@@ -59,7 +59,7 @@ class Checkpointer:
             (``dh.Trajectory("model/*", every=1)``): it stays as a trajectory
             point, readable but not restorable. Without it, such steps go away.
         codec: how tensors are stored: ``"delta"`` (default: compressed, as the
-            XOR with an earlier value where that value stays, see :mod:`deltas`),
+            residual against earlier values that stay, see :mod:`deltas`),
             ``"key"`` (each compressed alone) or ``"raw"``. Steps written by
             several ranks are stored raw.
         key_every: a delta chain is cut by a key every this many steps, so a read

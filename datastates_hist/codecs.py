@@ -17,7 +17,7 @@ blob; :func:`check_chunks` validates one read from a manifest before anything tr
 
 :func:`round_mantissa` is the lossy part, applied only on request before encoding: it
 rounds floats to ``keep_bits`` explicit mantissa bits (round to nearest, ties to even),
-which makes the low bits zero and the XOR deltas far more compressible.
+which makes the low bits zero and the residuals far more compressible.
 """
 
 from __future__ import annotations

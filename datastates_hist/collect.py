@@ -69,7 +69,7 @@ class Collector:
                     tensors.append(item)
             except values_codec.UnsupportedValueError as exc:
                 raise TypeError(f"cannot checkpoint {prefix!r}: {exc}") from None
-            except values_codec.NestingError as exc:
+            except (values_codec.NestingError, values_codec.NameClashError) as exc:
                 raise ValueError(f"cannot checkpoint {prefix!r}: {exc}") from None
         self._check_names(tensors)
         if self.group.size > 1:

@@ -69,12 +69,10 @@ class Committer:
             return {"": self.backend.begin_step(folder, ckpt.step, group=self.group)}
         writers = {"": self.backend.begin_step(folder, ckpt.step)}
         if ckpt.plan is not None and ckpt.plan.retention.split:
-            main = writers[""]
             try:
-                writers["restore"] = self.backend.writer_at(
-                    os.path.join(folder, restore_unit(os.path.basename(main.final))), ckpt.step)
+                writers["restore"] = self.backend.begin_step(folder, ckpt.step, part="restore")
             except BaseException:
-                main.abort()
+                writers[""].abort()
                 raise
         return writers
 

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .codecs import Encoder
-
-KEY, DELTA, RAW = "key", "delta", "raw"
+from .items import DELTA, KEY
 
 
 @dataclass

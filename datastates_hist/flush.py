@@ -23,10 +23,10 @@ from typing import Callable
 import numpy as np
 
 from .cache import HostCache
-from .deltas import RAW, Anchors, Encoding
+from .deltas import Anchors, Encoding
 from .digest import Digest
 from .dtypes import dtype_name, storage_dtype
-from .items import TensorRecord
+from .items import RAW, TensorRecord
 from .snapshot import Begin, End, Message, NeedSpace, PendingCheckpoint, Piece, Pieces, Stop
 
 
@@ -39,6 +39,7 @@ class _Step:
         self.digests: dict[int, Digest] = {}
         self.encodings: dict[int, Encoding] = {}
         self.records: list[TensorRecord] = []
+        self.kept_regions: set[int] = set()  # ids of regions a writer reads until write_out
 
     def writer(self, index: int):
         plan = self.ckpt.plan
@@ -158,11 +159,17 @@ class Flusher:
             if piece.digest is None:
                 digest.update(array, t.dtype)
             if encoding is not None:
-                encoding.add(raw.reshape(-1))
+                encoding.add(raw.reshape(-1))  # consumed: compressed, and copied if an anchor
             else:
                 writer.put(item.name, array, piece.start)
-            if piece.owner:
-                self._hold(step, piece.region, piece.region.nbytes, writer)
+                if not writer.writes_at_put:
+                    step.kept_regions.add(id(piece.region))
+            if piece.owner:  # the region's last piece
+                if id(piece.region) in step.kept_regions:
+                    step.kept_regions.discard(id(piece.region))
+                    self._hold(step, piece.region, piece.region.nbytes, writer)
+                else:
+                    self.cache.free(piece.region)
         if piece.last:
             stats = digest.stats()
             if self.refuse_nonfinite and stats["nonfinite"]:
@@ -172,9 +179,10 @@ class Flusher:
                 )
             record = TensorRecord(
                 item.name, dtype_name(t.dtype), tuple(t.shape),
-                t.numel() * sdtype.itemsize, digest.checksum(), "raw", stats,
+                t.numel() * sdtype.itemsize, digest.checksum(), RAW, stats,
                 item.global_shape, item.offset,
                 part=step.ckpt.plan.part(item.name) if step.ckpt.plan is not None else "",
+                distribution=digest.distribution(),
             )
             if encoding is not None:
                 self._put_encoded(step, record, encoding, writer)
@@ -184,7 +192,8 @@ class Flusher:
         blob, chunks, ratio = encoding.encoder.finish()
         writer.define(record.name, np.dtype(np.uint8), (blob.size,), "uint8")
         writer.put(record.name, blob, (0,))
-        self._hold(step, blob, blob.size, writer)
+        if not writer.writes_at_put:
+            self._hold(step, blob, blob.size, writer)
         record.encoding, record.stored, record.chunks, record.update_ratio = encoding.kind, blob.size, chunks, ratio
         if encoding.base is not None:
             record.base = encoding.base.step

@@ -50,6 +50,13 @@ def step_stem(step: int) -> str:
     return f"{step:012d}"
 
 
+def unit_name(step: int, suffix: str, part: str = "") -> str:
+    """The name in ``steps/`` of unit ``part`` of ``step`` (``""`` its main unit) for a
+    backend whose units end in ``suffix``: ``000000000012.bp``, ``000000000012.restore.bp``."""
+    name = step_stem(step) + suffix
+    return restore_unit(name) if part == "restore" else name
+
+
 def restore_unit(location: str) -> str:
     """The name of the restore unit beside the main unit ``location`` of a restore point
     (``000000000012.bp`` -> ``000000000012.restore.bp``)."""

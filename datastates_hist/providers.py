@@ -16,6 +16,7 @@ the providers of torch's modules, optimizers and RNG states are registered by
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -175,31 +176,46 @@ def matching(expected: Mapping[str, torch.Tensor], state: StoredState) -> list[s
 
 # --- nested structures of values and tensors -------------------------------------------
 
+@functools.lru_cache(maxsize=1 << 14)  # keys repeat across a state dict (exp_avg, step, 0, 1, ...)
+def _quoted(key: str) -> str:
+    return quote(key, safe="")
+
+
+def _child(name: str, key: str) -> str:
+    """The name of entry ``key`` inside ``name``: its path, each part percent-quoted."""
+    return f"{name}/{_quoted(key)}" if name else _quoted(key)
+
+
 def flatten(obj: Any, where: str) -> tuple[Any, dict[str, torch.Tensor]]:
     """Split a nested structure into safe JSON data with placeholders, and its tensors."""
     tensors: dict[str, torch.Tensor] = {}
     values.check_nesting(obj, where)  # walk() recurses
 
-    def walk(x: Any, path: tuple[str, ...]) -> Any:
-        name = "/".join(quote(p, safe="") for p in path)
+    def add(name: str, t: torch.Tensor) -> None:
+        if name in tensors:  # keys 1 and "1" of one dict: both would be stored as one
+            raise values.NameClashError(f"{where}/{name}: two entries would be stored under this name "
+                                        "(keys that differ only in type, such as 1 and '1')")
+        tensors[name] = t
+
+    def walk(x: Any, name: str) -> Any:
         if isinstance(x, torch.Tensor):
-            tensors[name] = x.detach()
+            add(name, x.detach())
             return {"__tensor__": name}
         if isinstance(x, np.ndarray) and x.dtype != object:
-            tensors[name] = values.array_tensor(x, f"{where}/{name}" if name else where)
+            add(name, values.array_tensor(x, f"{where}/{name}" if name else where))
             return {"__ndarray__": name}
         if isinstance(x, dict):
             if all(isinstance(k, str) for k in x) and not any(k in values.TAGS for k in x):
-                return {k: walk(v, path + (k,)) for k, v in x.items()}
-            return {"__dict__": [[values.encode(k, where), walk(v, path + (str(k),))]
+                return {k: walk(v, _child(name, k)) for k, v in x.items()}
+            return {"__dict__": [[values.encode(k, where), walk(v, _child(name, str(k)))]
                                  for k, v in x.items()]}
         if isinstance(x, list):
-            return [walk(v, path + (str(i),)) for i, v in enumerate(x)]
+            return [walk(v, _child(name, str(i))) for i, v in enumerate(x)]
         if isinstance(x, tuple):
-            return {"__tuple__": [walk(v, path + (str(i),)) for i, v in enumerate(x)]}
+            return {"__tuple__": [walk(v, _child(name, str(i))) for i, v in enumerate(x)]}
         return values.encode(x, f"{where}/{name}" if name else where)
 
-    return walk(obj, ()), tensors
+    return walk(obj, ""), tensors
 
 
 class TreeProvider(StateProvider):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from .index import Index, StepRow, unit_path
+from .items import DELTA, KEY, RAW
 from .layout import restore_unit, steps_dir, unit_bytes
 
 
@@ -216,7 +217,8 @@ def step_bytes(run_dir: str, index: Index, steps: list[int]) -> dict[int, int]:
         for r in rows}
 
 
-CODECS = ("delta", "key", "raw")
+# the codecs a writer is asked for: each stores a tensor in the encoding of that name
+CODECS = (DELTA, KEY, RAW)
 
 
 @dataclass(frozen=True)
@@ -238,7 +240,7 @@ class StepPlan:
         return "restore" if self.retention.split and not self.retention.trajectory.holds(name) else ""
 
     def may_delta(self, name: str) -> bool:
-        return self.codec == "delta" and self.retention.may_delta(name)
+        return self.codec == DELTA and self.retention.may_delta(name)
 
 
 def key_every_count(key_every) -> int:

@@ -37,6 +37,10 @@ class NestingError(ValueError):
     """A value contains itself, or is nested deeper than :data:`MAX_DEPTH`."""
 
 
+class NameClashError(ValueError):
+    """Two entries of a value would be stored under one name (keys ``1`` and ``"1"``)."""
+
+
 def enter(container: Any, where: str, around: tuple[int, ...]) -> tuple[int, ...]:
     """``around`` (the ids of the containers that hold ``container``) plus ``container``;
     refuses a container inside itself and nesting deeper than :data:`MAX_DEPTH`."""

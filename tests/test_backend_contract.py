@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+import datastates_hist as dh
 from datastates_hist.backends import register_backend, unregister_backend
 from datastates_hist.layout import steps_dir
 from datastates_hist.testing.backend_contract import BackendContract, roundtrip
@@ -56,3 +57,7 @@ class TestABackendFromOutside(BackendContract):
     def test_its_units_carry_its_suffix(self, run_dir, backend):
         roundtrip(run_dir, backend, {"t": torch.arange(4)})
         assert os.listdir(steps_dir(run_dir)) == ["000000000000.hdf"]
+
+    def test_a_restore_point_of_two_units_carries_its_suffix_on_both(self, run_dir, backend):
+        roundtrip(run_dir, backend, {"t": torch.arange(4)}, keep=dh.KeepLast(1), trajectory=dh.Trajectory("model/*"))
+        assert sorted(os.listdir(steps_dir(run_dir))) == ["000000000000.hdf", "000000000000.restore.hdf"]

@@ -22,8 +22,10 @@ def committed(run_dir, steps=(0,), model=None):
 
 
 def test_missing_run_and_empty_run(tmp_path):
+    from datastates_hist.store import Store
+
     with pytest.raises(dh.StoreNotFoundError, match="no run at"):
-        dh.store.Store(str(tmp_path / "nope"))
+        Store(str(tmp_path / "nope"))
     with dh.Checkpointer(tmp_path / "empty") as ckpt:
         assert ckpt.steps() == []
         with pytest.raises(dh.StepNotFoundError, match="has no committed steps"):
@@ -132,6 +134,10 @@ def test_unsupported_values_and_tensors(run_dir):
             ckpt.write(0, linear(), s=torch.eye(3).to_sparse())
         with pytest.raises(TypeError, match="needs a model"):
             ckpt.write(0, None)
+        with pytest.raises(ValueError) as clash:  # both tensors would be stored as data/a/1
+            ckpt.write(0, linear(), data={"a": {1: torch.ones(1), "1": torch.zeros(1)}})
+        assert str(clash.value) == ("cannot checkpoint 'extra/data': value/a/1: two entries would be stored "
+                                    "under this name (keys that differ only in type, such as 1 and '1')")
         assert ckpt.steps() == []
 
 

@@ -26,7 +26,7 @@ from ..boxes import overlap
 from ..digest import checksum_bytes
 from ..durable import fsync_tree, remove_tree
 from ..errors import CorruptionError
-from ..layout import entry_path, step_stem
+from ..layout import entry_path, unit_name
 from . import _adios2_capi as capi
 from .base import Backend, StagedStepWriter
 from .step import StepReader
@@ -267,11 +267,11 @@ class Adios2Backend(Backend):
     def reader_at(self, path):
         return Adios2StepReader(path)
 
-    def begin_step(self, steps_dir, step, group=None):
-        if group is not None and group.size > 1 and group.mpi_comm is not None:
-            final = os.path.join(steps_dir, step_stem(step) + SUFFIX)
+    def begin_step(self, steps_dir, step, group=None, part=""):
+        if group is not None and group.size > 1 and group.mpi_comm is not None and not part:
+            final = os.path.join(steps_dir, unit_name(step, SUFFIX))
             return Adios2CollectiveWriter(final, {**collective_defaults(group), **self.parameters}, group.mpi_comm)
-        return super().begin_step(steps_dir, step, group)
+        return super().begin_step(steps_dir, step, group, part)
 
 
 # ADIOS2 does not check its metadata, and reading damaged or truncated BP5

@@ -4,7 +4,9 @@ A backend stores each step as one unit (a file or a folder) inside the run's
 ``steps/`` folder. Lifecycle of a write, in order, all on the flusher thread:
 
 1. ``writer = backend.begin_step(steps_dir, step)``: creates the unit at a
-   temporary name.
+   temporary name. A restore point of two units has a second writer,
+   ``backend.begin_step(steps_dir, step, part="restore")``, whose unit is
+   published first.
 2. ``writer.define(name, dtype, shape, real_dtype)`` once per tensor, then
    ``writer.put(name, array, start)`` for each of its pieces. ``array`` is a
    contiguous numpy view into the host cache; it must stay untouched until
@@ -44,7 +46,7 @@ import os
 from abc import ABC, abstractmethod
 
 from ..durable import fsync_tree, remove_tree, rename_into_place
-from ..layout import PARTIAL, RANKS_SUFFIX, entry_path, step_stem
+from ..layout import PARTIAL, RANKS_SUFFIX, entry_path, unit_name
 from .ranks import RankFilesReader, RankFilesWriter
 from .step import StepReader, StepWriter
 
@@ -109,9 +111,16 @@ class Backend(ABC):
     @abstractmethod
     def reader_at(self, path: str) -> StepReader: ...
 
-    def begin_step(self, steps_dir: str, step: int, group=None) -> StepWriter:
-        if group is None or group.size == 1:
-            return self.writer_at(os.path.join(steps_dir, step_stem(step) + self.suffix), step)
+    def begin_step(self, steps_dir: str, step: int, group=None, part: str = "") -> StepWriter:
+        """The writer of unit ``part`` of ``step`` (``""`` the main unit, ``"restore"`` a
+        restore point's restore unit), written by this process or by every rank of ``group``."""
+        several = group is not None and group.size > 1
+        if part:
+            if several:
+                raise ValueError("a step of several ranks is one unit: it has no restore unit")
+            return self.writer_at(os.path.join(steps_dir, unit_name(step, self.suffix, part)), step)
+        if not several:
+            return self.writer_at(os.path.join(steps_dir, unit_name(step, self.suffix)), step)
         return RankFilesWriter(self, steps_dir, step, group)
 
     def open_step(self, steps_dir: str, location: str) -> StepReader:

@@ -113,6 +113,8 @@ class HDF5StepWriter(StagedStepWriter):
         file_space.select_hyperslab(tuple(start), tuple(array.shape))
         dsid.write(h5py.h5s.create_simple(tuple(array.shape)), file_space, array, mtype=mtype)
 
+    writes_at_put = True
+
     def write_out(self):
         pass  # puts are written at once
 

@@ -25,6 +25,10 @@ class RankFilesWriter(StepWriter):
         os.makedirs(self.tmp, exist_ok=True)
         self.file = backend.writer_at(os.path.join(self.tmp, rank_file(group.rank, backend.suffix)), step)
 
+    @property
+    def writes_at_put(self) -> bool:
+        return self.file.writes_at_put
+
     def define(self, name, dtype, shape, real_dtype, block=None):
         self.file.define(name, dtype, shape, real_dtype)
 

@@ -15,6 +15,9 @@ class StepWriter(ABC):
     shared: bool = False
 
     write_out_early = True  # False where write_out costs more than waiting (a copy)
+    # True where put() has stored the array when it returns (HDF5): the flusher then
+    # reuses its memory at once instead of keeping it until write_out()
+    writes_at_put = False
 
     @abstractmethod
     def define(self, name: str, dtype: np.dtype, shape: tuple[int, ...], real_dtype: str,

@@ -116,10 +116,10 @@ class FailingBackend(Backend):
         self.inner, self.fail_step, self.where = inner, fail_step, where
         self.name = inner.name
 
-    def begin_step(self, steps_dir, step):
+    def begin_step(self, steps_dir, step, group=None, part=""):
         if step == self.fail_step and self.where == "begin":
             raise OSError("injected failure at begin")
-        writer = self.inner.begin_step(steps_dir, step)
+        writer = self.inner.begin_step(steps_dir, step, group, part)
         if step == self.fail_step:
             def fail(*args, **kwargs):
                 raise OSError(f"injected failure at {self.where}")
