@@ -20,7 +20,7 @@ from ..errors import (
     CheckpointError, CorruptionError, FormatError, StepNotFoundError, StoreLockedError, StoreNotFoundError,
 )
 
-COMMANDS = ("ls", "show", "diff", "trace", "export", "du", "prune", "verify", "repair")
+COMMANDS = ("ls", "show", "diff", "trace", "export", "du", "prune", "verify", "repair", "import_")
 
 EXIT_FAILED, EXIT_USAGE, EXIT_MISSING, EXIT_DAMAGED, EXIT_LOCKED, EXIT_IO, EXIT_BUG = 1, 2, 3, 4, 5, 6, 7
 EXIT_INTERRUPTED = 130

@@ -1,11 +1,18 @@
-"""``datastates-hist export RUN STEP --to FILE``: one step's tensors as safetensors or a torch file.
+"""``datastates-hist export RUN STEP --to PATH``: one step's tensors as safetensors, a torch
+file or a PyTorch DCP checkpoint.
 
 By default the model's tensors, named as in ``model.state_dict()`` (so that
 ``model.load_state_dict`` takes them); ``--all`` exports every tensor under its
 full stored name. ``FILE.safetensors`` is written with the safetensors library,
-``FILE.pt`` or ``FILE.pth`` with ``torch.save``. Tensor names are keys inside
-that one file, never paths: no name can write elsewhere. An existing FILE is
-replaced only with ``--force``.
+``FILE.pt`` or ``FILE.pth`` with ``torch.save``, a folder ``DIR.dcp`` (or any
+PATH with ``--format dcp``) with ``torch.distributed.checkpoint.save`` in this
+process alone, so that ``dcp.load(model.state_dict(), checkpoint_id=DIR)``
+takes it. Tensor names are keys inside the checkpoint's metadata, never paths:
+no name can write elsewhere. The checkpoint is written beside PATH and renamed
+into place (a temporary left by an earlier export is removed first, a link
+never followed). An existing PATH is replaced only with ``--force``, and a
+folder only when it is a DCP checkpoint (``.metadata`` and ``*.distcp`` files,
+nothing else): ``--force`` never deletes a folder of other files.
 """
 
 from __future__ import annotations
@@ -14,38 +21,78 @@ import os
 
 from . import STEP_HELP, resolve_step, step_choice
 
-FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}
+FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".dcp": "dcp"}
 
 
 def add_parser(sub):
-    cmd = sub.add_parser("export", help="write one step's tensors to safetensors or a torch file")
+    cmd = sub.add_parser("export", help="write one step's tensors to safetensors, a torch file or a DCP checkpoint")
     cmd.add_argument("run", help="the run directory")
     cmd.add_argument("step", type=step_choice, help=STEP_HELP)
-    cmd.add_argument("--to", required=True, metavar="FILE",
-                     help="FILE.safetensors, or FILE.pt / FILE.pth for torch.save")
+    cmd.add_argument("--to", required=True, metavar="PATH",
+                     help="FILE.safetensors, FILE.pt / FILE.pth for torch.save, or a folder DIR.dcp for PyTorch DCP")
+    cmd.add_argument("--format", choices=sorted(set(FORMATS.values())),
+                     help="the format to write (default: from PATH's suffix)")
     cmd.add_argument("--all", action="store_true", help="every tensor (optimizer, RNG, extras), by full name")
-    cmd.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    cmd.add_argument("--force", action="store_true", help="replace PATH if it exists")
     return cmd
 
 
-def check_target(path: str, force: bool) -> str:
-    """The format to write ``path`` in; a clear error before any step is read."""
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix not in FORMATS:
-        raise ValueError(f"cannot write {path}: export writes {', '.join(FORMATS)} files")
+def check_target(path: str, force: bool, kind: str | None = None) -> str:
+    """The format to write ``path`` in (``kind``, else from its suffix); a clear error
+    before any step is read."""
+    suffix = os.path.splitext(os.path.normpath(path))[1].lower()
+    if kind is None and suffix not in FORMATS:
+        raise ValueError(f"cannot write {path}: export writes {', '.join(FORMATS)} files "
+                         "(or say which with --format)")
+    kind = kind or FORMATS[suffix]
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"cannot write {path}: there is no folder {folder}")
-    if os.path.lexists(path) and not force:
-        raise ValueError(f"{path} exists: use --force to replace it")
-    return FORMATS[suffix]
+    if os.path.lexists(path):
+        if not force:
+            raise ValueError(f"{path} exists: use --force to replace it")
+        if kind == "dcp" and not is_dcp_output(path):
+            raise ValueError(f"cannot replace {path}: it is not a DCP checkpoint (a folder of .metadata and "
+                             "*.distcp files only), and --force replaces nothing else with one")
+        if kind != "dcp" and os.path.isdir(path) and not os.path.islink(path):
+            raise ValueError(f"cannot replace {path}: it is a folder, and --force replaces only a file with a file")
+    return kind
+
+
+def is_dcp_output(path: str, partial: bool = False) -> bool:
+    """Whether ``path`` is a folder of DCP's files only (``.metadata`` and ``*.distcp``,
+    plain files): one export may replace; ``partial``: one left by an interrupted
+    export (``.metadata`` perhaps missing, or still ``.metadata.tmp``)."""
+    from ..importing.dcp_folders import DCP_DATA_SUFFIX, DCP_METADATA, DCP_METADATA_TMP
+
+    if os.path.islink(path) or not os.path.isdir(path):
+        return False
+    entries = os.listdir(path)
+    allowed = {DCP_METADATA, DCP_METADATA_TMP} if partial else {DCP_METADATA}
+    return (partial or DCP_METADATA in entries) and all(
+        (name in allowed or name.endswith(DCP_DATA_SUFFIX))
+        and os.path.isfile(os.path.join(path, name)) and not os.path.islink(os.path.join(path, name))
+        for name in entries)
+
+
+def remove_stale_temporary(tmp: str, kind: str) -> None:
+    """Remove what an interrupted export left at ``tmp``: a file, a link (itself, never
+    what it points at), or a partial DCP folder; refuse to remove any other folder."""
+    from ..durable import remove_tree
+
+    if not os.path.lexists(tmp):
+        return
+    if os.path.isdir(tmp) and not os.path.islink(tmp) and not (kind == "dcp" and is_dcp_output(tmp, partial=True)):
+        raise ValueError(f"cannot write beside {tmp}: a folder is there that no export left; move it away")
+    remove_tree(tmp)
 
 
 def run(args) -> int:
+    from ..durable import remove_tree
     from ..history import History
     from ..items import MODEL_PREFIX, short_name
 
-    kind = check_target(args.to, args.force)
+    kind = check_target(args.to, args.force, args.format)
     with History(args.run) as h:
         step = resolve_step(h.store, args.step)
         names = h.names(step)
@@ -55,15 +102,46 @@ def run(args) -> int:
                 raise KeyError(f"step {step} of {args.run} holds no model tensors (try --all)")
         data = h.step_data(step)
         tensors = {(n if args.all else short_name(n)): data.read(n).contiguous() for n in names}
-    tmp = args.to + ".partial"
-    if kind == "safetensors":
-        from safetensors.torch import save_file
+    tmp = os.path.normpath(args.to) + ".partial"
+    remove_stale_temporary(tmp, kind)
+    try:
+        if kind == "dcp":
+            write_dcp(tensors, tmp, args.to)
+        elif kind == "safetensors":
+            from safetensors.torch import save_file
 
-        save_file(tensors, tmp, metadata={"run": os.path.abspath(args.run), "step": str(step)})
-    else:
-        import torch
+            save_file(tensors, tmp, metadata={"run": os.path.abspath(args.run), "step": str(step)})
+        else:
+            import torch
 
-        torch.save(tensors, tmp)
+            torch.save(tensors, tmp)
+    except BaseException:
+        remove_tree(tmp)  # a half-written temporary
+        raise
+    if kind == "dcp" and os.path.lexists(args.to):
+        remove_tree(args.to)  # a DCP checkpoint (check_target): a folder cannot be renamed over
     os.replace(tmp, args.to)
     print(f"wrote {len(tensors)} tensors of step {step} to {args.to}")
     return 0
+
+
+def write_dcp(tensors: dict, tmp: str, path: str) -> None:
+    """``tensors`` as a DCP checkpoint folder at ``tmp`` (renamed to ``path`` by the
+    caller), written in this process alone."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ..importing.dcp_folders import checkpoint_failure
+    from ..importing.reading import first_line
+
+    try:
+        with warnings.catch_warnings():  # DCP warns that it runs without a process group: so it should
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+    except CheckpointException as exc:  # a BaseException: each rank's failure inside
+        cause = checkpoint_failure(exc)
+        if isinstance(cause, OSError):
+            raise cause from None
+        raise OSError(f"cannot write {path}: {type(cause).__name__}: {first_line(cause)}") from None

@@ -1,0 +1,218 @@
+"""Reading a PyTorch DCP folder (``torch.distributed.checkpoint``) in one process,
+without a process group, and without running code: DCP pickles its ``.metadata``
+(read here by an unpickler that knows only DCP's metadata classes) and its
+non-tensor items (loaded here with ``weights_only=True``). What the metadata
+says is checked before any byte is read: each storage entry a regular file
+inside the folder, within its size; each item's path and size sane."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import warnings
+from typing import Any
+
+import torch
+
+from .reading import first_line, refusal_line
+
+# the files DCP's FileSystemWriter writes in one process (.metadata.tmp until the save completes)
+DCP_METADATA, DCP_METADATA_TMP, DCP_DATA_SUFFIX = ".metadata", ".metadata.tmp", ".distcp"
+
+# the globals a DCP .metadata pickle refers to (torch 2.x): DCP's metadata classes and what they hold
+DCP_METADATA_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    *(("pathlib", name) for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+})
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A pickle asked for a global that DCP's metadata is not made of."""
+
+
+class DCPMetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata`` file (a plain pickle) refusing every global but
+    those DCP's metadata is made of, so that a crafted file runs no code."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in DCP_METADATA_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise RefusedGlobal(f"Unsupported global: {module}.{name}")
+
+
+def checkpoint_failure(exc: BaseException) -> BaseException:
+    """The error behind a ``CheckpointException`` (DCP wraps each rank's failure in
+    one, a BaseException): the first rank's; ``exc`` itself when it is no such wrapper."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        failure = next(iter(failures.values()))
+        if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException):
+            return failure[0]
+    return exc
+
+
+def read_dcp(folder: str) -> dict:
+    """The state dict of a DCP folder, nested as it was saved, read in this process alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    metadata = read_metadata(folder)
+    check_storage(folder, metadata)
+    flat = _empty_state_dict(folder, metadata)
+    paths = _planner_paths(folder, metadata, len(flat))
+    reader, planner = _safe_dcp_reader(folder, metadata)
+    try:
+        with warnings.catch_warnings():  # DCP warns that it runs without a process group: so it should
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
+    except (CheckpointException, pickle.UnpicklingError, OSError, RuntimeError, ValueError, KeyError,
+            EOFError) as exc:
+        cause = checkpoint_failure(exc)
+        refused = refusal_line(cause) if isinstance(cause, pickle.UnpicklingError) else None
+        if refused is not None:
+            raise ValueError(f"refused {folder}: a non-tensor item holds more than plain values, and loading it "
+                             f"could run code ({refused})") from None
+        if isinstance(cause, pickle.UnpicklingError):
+            raise OSError(f"cannot read {folder}: an item's data is damaged or not a torch file") from None
+        raise OSError(f"cannot read {folder}: {type(cause).__name__}: {first_line(cause)}") from None
+    return _nest(folder, [(paths.get(fqn, (fqn,)), value) for fqn, value in flat.items()])
+
+
+def read_metadata(folder: str):
+    """The ``.metadata`` of a DCP folder, unpickled so that it runs no code."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    metadata_path = os.path.join(folder, DCP_METADATA)
+    try:
+        with open(metadata_path, "rb") as f:
+            metadata = DCPMetadataUnpickler(f).load()
+    except RefusedGlobal as exc:
+        raise ValueError(f"refused {metadata_path}: it holds more than DCP's metadata, and loading it "
+                         f"could run code ({first_line(exc)})") from None
+    except (OSError, EOFError, AttributeError, ValueError, TypeError, IndexError, pickle.UnpicklingError) as exc:
+        raise OSError(f"cannot read {metadata_path}: damaged or not DCP metadata ({first_line(exc)})") from None
+    if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
+            and isinstance(metadata.storage_data, dict)):
+        raise ValueError(f"cannot import {folder}: {metadata_path} is not DCP metadata")
+    return metadata
+
+
+def check_storage(folder: str, metadata) -> None:
+    """Refuse storage entries that point outside ``folder`` (an absolute path, ``../x``,
+    a link out) or past the end of their file: DCP reads whatever they name."""
+    root = os.path.realpath(folder)
+    sizes: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        path = getattr(info, "relative_path", None)
+        where = f"cannot import {folder}: the storage entry of {getattr(index, 'fqn', index)!r}"
+        if not isinstance(path, str) or not path or os.path.isabs(path):
+            raise ValueError(f"{where} names {path!r}, not a file of the folder")
+        if path not in sizes:
+            real = os.path.realpath(os.path.join(root, path))
+            if os.path.commonpath([root, real]) != root or real == root:
+                raise ValueError(f"{where} names {path!r}, outside the folder")
+            if not os.path.isfile(real):
+                raise ValueError(f"{where} names {path!r}, which is not a file of the folder")
+            sizes[path] = os.path.getsize(real)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (offset, length)) \
+                or offset + length > sizes[path]:
+            raise ValueError(f"{where} reads bytes {offset!r}+{length!r} of {path!r}, which holds {sizes[path]}")
+
+
+def _empty_state_dict(folder: str, metadata) -> dict:
+    """The flat state dict DCP loads into: an empty tensor of each stored tensor's
+    dtype and size (refused when no bigger than the folder's data could fill), None
+    for each non-tensor item."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    stored = sum(os.path.getsize(os.path.join(folder, p))
+                 for p in {info.relative_path for info in metadata.storage_data.values()})
+    compressed = any(getattr(info, "transform_descriptors", None) for info in metadata.storage_data.values())
+    flat: dict[str, Any] = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise ValueError(f"cannot import {folder}: its metadata names an item {fqn!r}, not a string")
+        if isinstance(meta, BytesStorageMetadata):
+            flat[fqn] = None
+            continue
+        if not isinstance(meta, TensorStorageMetadata):
+            raise ValueError(f"cannot import {folder}: its metadata describes {fqn!r} as {type(meta).__name__}")
+        dtype, size = getattr(getattr(meta, "properties", None), "dtype", None), getattr(meta, "size", None)
+        if not (isinstance(dtype, torch.dtype) and isinstance(size, tuple)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in size)):
+            raise ValueError(f"cannot import {folder}: its metadata gives {fqn!r} the dtype {dtype!r} and size "
+                             f"{size!r}")
+        nbytes = math.prod(size) * dtype.itemsize
+        if nbytes > stored and not compressed:
+            raise ValueError(f"cannot import {folder}: its metadata gives {fqn!r} {nbytes} bytes, more than the "
+                             f"{stored} its files hold")
+        flat[fqn] = torch.empty(size, dtype=dtype)
+    return flat
+
+
+def _planner_paths(folder: str, metadata, items: int) -> dict[str, tuple]:
+    """Each item's path in the nested state dict (DCP's ``planner_data``): a non-empty
+    tuple of keys, an int key a list index below the count of items."""
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    for fqn, path in paths.items():
+        if not (isinstance(path, tuple) and path and all(
+                isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k < items)
+                for k in path)):
+            raise ValueError(f"cannot import {folder}: its metadata gives {fqn!r} the path {path!r} (a path is "
+                             f"keys, or list positions below {items})")
+    return paths
+
+
+def _safe_dcp_reader(folder: str, metadata):
+    """DCP's file-system reader and load planner, made safe: the reader takes the
+    metadata read above; the planner loads non-tensor items with ``weights_only=True``
+    (DCP's own runs any pickle)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+    return Reader(folder), Planner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def _nest(folder: str, flat: list[tuple[tuple, Any]]) -> dict:
+    """The nested state dict of DCP's flattened one (path of keys -> value; an int key
+    indexes a list, as DCP flattens ``param_groups``)."""
+    out: dict = {}
+    for path, value in flat:
+        node = out
+        for depth, (key, below) in enumerate(zip(path, path[1:])):
+            node = _child(folder, path[:depth + 1], node, key, [] if isinstance(below, int) else {})
+        _child(folder, path, node, path[-1], value, leaf=True)
+    return out
+
+
+def _child(folder: str, path: tuple, node: Any, key: Any, value: Any, leaf: bool = False) -> Any:
+    """``node[key]``, set to ``value`` when missing; a clear error where two items'
+    paths clash (the same path twice, a value where another's keys go on)."""
+    if isinstance(node, list) and isinstance(key, int):
+        node.extend([None] * (key + 1 - len(node)))
+        present = node[key] is not None
+    elif isinstance(node, dict) and isinstance(key, str):
+        present = key in node
+    else:
+        raise ValueError(f"cannot import {folder}: the items' paths clash at {path!r}")
+    if not present:
+        node[key] = value
+    elif leaf or not isinstance(node[key], type(value)):
+        raise ValueError(f"cannot import {folder}: the items' paths clash at {path!r}")
+    return node[key]

@@ -1,0 +1,219 @@
+"""The Hugging Face ``transformers.Trainer``: every optimizer step into a history, and resume from it.
+
+    history = HistoryCallback("runs/hf", keep=dh.KeepLast(2) | dh.KeepEvery(1000),
+                              trajectory=dh.Trajectory("model/*"))
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[history])
+    trainer.train(resume_from_checkpoint=history.resume_from_checkpoint(trainer))
+
+**When.** Step N (Trainer's ``global_step``: N optimizer updates done) is written when
+update N+1 begins (``on_step_begin``, after its batches were fetched), and the last step
+when training ends; a new run's first write is step 0, the initial state. By then Trainer
+has logged and evaluated step N, as its own checkpoint of step N would hold, and the
+random generators stand where update N+1 starts drawing (dropout), so that a resumed run
+draws the same. ``write()`` returns before any tensor is copied: the forward of update N+1
+waits only for the model's buffers, its optimizer update for the rest of the snapshot.
+
+**What.** The model, the optimizer (inside accelerate's wrapper), the LR scheduler and the
+RNG states, as ``Checkpointer.write`` takes them; ``extra/trainer_state``, Trainer's own
+``trainer_state.json`` text (global step, epoch, log history, the state of stateful
+callbacks such as ``EarlyStoppingCallback``); and ``extra/data``, the data position and the
+numbers Trainer logged at that step, as scalars (``loss``, ``learning_rate``, ``epoch``,
+``global_step``).
+
+**Resume.** Trainer positions its data itself when it resumes from a checkpoint folder: it
+skips the epochs and batches already trained, and its seedable sampler orders each epoch's
+batches by ``seed + epoch``. :meth:`HistoryCallback.resume_from_checkpoint` gives it one: it
+restores the model from the newest restore point, writes a model-only Trainer checkpoint of
+it (the weights and ``trainer_state.json``, what ``save_only_model=True`` writes) into a
+temporary folder under ``args.output_dir``, and returns its path. When the first update
+begins, the callback restores the model, optimizer, scheduler and RNG states from the same
+step, and the run goes on as if it had not stopped. The folder is removed when training
+begins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+
+from ..checkpointer import Checkpointer
+
+
+class HistoryCallback(TrainerCallback):
+    """A Trainer callback that writes every optimizer step into the history at ``path``.
+
+    Args:
+        path: the run directory of the history.
+        **options: the :class:`~datastates_hist.Checkpointer`'s keyword arguments
+            (``backend=``, ``keep=``, ``trajectory=``, ``codec=``, ...).
+
+    One process: a Trainer of several processes is refused.
+    """
+
+    def __init__(self, path: str | os.PathLike, **options: Any):
+        self.path = os.fspath(path)
+        self.options = options
+        self.checkpointer: Checkpointer | None = Checkpointer(self.path, **options)
+        self.resumed_from: int | None = None  # the step the last resume_from_checkpoint() found
+        self._trainer = None
+        self._resuming = False  # the next train() starts at step resumed_from
+        self._restore_pending = False  # the first update of a resumed run restores the rest
+        self._resume_dir: str | None = None
+        self._written: int | None = None  # the newest step in the history
+        self._encode_seconds = 0.0  # the Trainer state's text, the data position
+        self._closed_blocked_seconds = 0.0  # of the Checkpointers closed at the end of training
+
+    # --- resuming -----------------------------------------------------------------------
+
+    def resume_from_checkpoint(self, trainer) -> str | None:
+        """What to pass to ``trainer.train(resume_from_checkpoint=...)``: None when the
+        history has no step yet (a new run), else a Trainer checkpoint of the newest restore
+        point (see the module's docstring). Steps after that restore point, if any, are
+        dropped from the history: they belong to the run that stopped.
+
+        Also gives the callback the Trainer, whose stateful callbacks are then saved with
+        every step."""
+        self._trainer = trainer
+        ckpt = self._open()
+        self._remove_resume_dir()
+        self.resumed_from, self._resuming = None, False
+        if not ckpt.steps():
+            return None
+        restored = ckpt.restore(model=trainer.model, rng=False)
+        if "trainer_state" not in restored.extra:
+            raise ValueError(f"step {restored.step} of {self.path} holds no Trainer state (extra/trainer_state): "
+                             "its history was not written by HistoryCallback")
+        ckpt.truncate(after=restored.step)
+        os.makedirs(trainer.args.output_dir, exist_ok=True)
+        self._resume_dir = tempfile.mkdtemp(prefix=".datastates-resume-", dir=trainer.args.output_dir)
+        folder = os.path.join(self._resume_dir, f"checkpoint-{restored.step}")
+        trainer.save_model(folder)
+        with open(os.path.join(folder, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
+            f.write(restored.extra["trainer_state"])
+        self.resumed_from, self._resuming = restored.step, True
+        return folder
+
+    def _remove_resume_dir(self) -> None:
+        if self._resume_dir is not None:
+            shutil.rmtree(self._resume_dir, ignore_errors=True)
+            self._resume_dir = None
+
+    # --- Trainer's events ---------------------------------------------------------------
+
+    def on_train_begin(self, args, state: TrainerState, control: TrainerControl, **kwargs):
+        if args.world_size > 1:
+            raise ValueError(f"HistoryCallback writes the history of one process; this Trainer runs "
+                             f"{args.world_size} processes")
+        ckpt = self._open()
+        self._remove_resume_dir()  # Trainer has read it
+        steps = ckpt.steps()
+        if self._resuming:
+            self._resuming = False  # a later train() starts anew unless resumed again
+            if state.global_step != self.resumed_from:
+                raise RuntimeError(
+                    f"the Trainer starts at step {state.global_step}, not at step {self.resumed_from} of "
+                    f"{self.path}: pass history.resume_from_checkpoint(trainer) to "
+                    "trainer.train(resume_from_checkpoint=...)")
+            self._restore_pending = True
+        elif steps and steps[-1] >= state.global_step:
+            raise ValueError(
+                f"{self.path} already holds steps up to {steps[-1]} and the Trainer starts at step "
+                f"{state.global_step}: resume with trainer.train(resume_from_checkpoint="
+                "history.resume_from_checkpoint(trainer)), or write to a new directory")
+        self._written = steps[-1] if steps else None
+
+    def on_step_begin(self, args, state: TrainerState, control: TrainerControl, model=None, optimizer=None,
+                      lr_scheduler=None, **kwargs):
+        if self._restore_pending:  # the RNG states too: this update draws as the stopped run's did
+            self.checkpointer.restore(state.global_step, model, torch_optimizer(optimizer),
+                                      **_extras(scheduler=lr_scheduler))
+            self._restore_pending = False
+        elif self._written is None or state.global_step > self._written:
+            self._write(state, control, model, optimizer, lr_scheduler)
+
+    def on_train_end(self, args, state: TrainerState, control: TrainerControl, model=None, optimizer=None,
+                     lr_scheduler=None, **kwargs):
+        if self._written is None or state.global_step > self._written:
+            self._write(state, control, model, optimizer, lr_scheduler)
+        self.close()
+
+    # --- writing ------------------------------------------------------------------------
+
+    def _write(self, state: TrainerState, control: TrainerControl, model, optimizer, lr_scheduler) -> None:
+        t0 = time.perf_counter()
+        extras = _extras(scheduler=lr_scheduler, trainer_state=self._state_text(state, control),
+                         data=data_position(state))
+        self._encode_seconds += time.perf_counter() - t0
+        self.checkpointer.write(state.global_step, model, torch_optimizer(optimizer), **extras)
+        self._written = state.global_step
+
+    def _state_text(self, state: TrainerState, control: TrainerControl) -> str:
+        """``trainer_state.json`` as Trainer writes it, with the stateful callbacks' state of now."""
+        fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+        stateful = [control]
+        if self._trainer is not None:
+            stateful = [cb for cb in self._trainer.callback_handler.callbacks if isinstance(cb, ExportableState)
+                        ] + stateful
+        fields["stateful_callbacks"] = TrainerState(stateful_callbacks=stateful).stateful_callbacks
+        return json.dumps(fields, indent=2, sort_keys=True) + "\n"
+
+    # --- the Checkpointer ---------------------------------------------------------------
+
+    def _open(self) -> Checkpointer:
+        if self.checkpointer is None:
+            self.checkpointer = Checkpointer(self.path, **self.options)
+        return self.checkpointer
+
+    def close(self) -> None:
+        """Wait until every written step is committed, and close the history (a later
+        ``train()`` opens it again)."""
+        self._remove_resume_dir()
+        if self.checkpointer is not None:
+            try:
+                self.checkpointer.close()
+            finally:
+                self._closed_blocked_seconds += self.checkpointer.blocked_seconds
+                self.checkpointer = None
+
+    @property
+    def blocked_seconds(self) -> float:
+        """Training-thread time spent on the history: in the writes (the Trainer state's
+        text included) and in the waits for their snapshots."""
+        open_now = self.checkpointer.blocked_seconds if self.checkpointer is not None else 0.0
+        return self._encode_seconds + self._closed_blocked_seconds + open_now
+
+
+def torch_optimizer(optimizer: Any) -> Any:
+    """The ``torch.optim.Optimizer`` inside accelerate's ``AcceleratedOptimizer``: its own
+    step runs the hooks that wait for the snapshot, and its type names the stored state."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def data_position(state: TrainerState) -> dict[str, Any]:
+    """Where the run stands in its data (Trainer resumes its data order from ``global_step``),
+    and the numbers Trainer logged at this step."""
+    data = {"global_step": state.global_step, "epoch": float(state.epoch or 0),
+            "num_input_tokens_seen": state.num_input_tokens_seen}
+    for logged in reversed(state.log_history):  # the entries of this step are the newest
+        if logged.get("step") != state.global_step:
+            break
+        data.update({k: v for k, v in logged.items() if k not in data and k != "step"
+                     and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return data
+
+
+def _extras(**extras: Any) -> dict[str, Any]:
+    """The extras that are there (a Trainer without an LR scheduler has none)."""
+    return {k: v for k, v in extras.items() if v is not None}
