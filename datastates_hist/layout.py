@@ -129,10 +129,20 @@ def take_writer_lock(run_dir: str) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
+        if holder == _holder():  # a writer of this very process was never closed
+            raise StoreLockedError(
+                f"{run_dir} is being written by a Checkpointer of this process that was not closed; "
+                "one writer per run (close it first: ckpt.close(), or use it in a with block)"
+            ) from None
         raise StoreLockedError(
             f"{run_dir} is being written by {holder}; one writer per run "
             "(read it with datastates_hist.open, or wait for that process to end)"
         ) from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    os.pwrite(fd, _holder().encode(), 0)
     return fd
+
+
+def _holder() -> str:
+    """How a writer lock names the process that holds it."""
+    return f"pid {os.getpid()} on {socket.gethostname()}"

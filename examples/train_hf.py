@@ -4,7 +4,8 @@ The model is a GPT-2 configuration with random weights (nothing is downloaded), 
 on byte tokens (a vocabulary of 256) of the Python standard library's source, or of
 ``--text FILE``. ``HistoryCallback`` writes every step into ``--run-dir``; run the same
 command again after a crash (or a kill) and it resumes from the history's newest restore
-point: Trainer goes on with the same batches and dropout masks, bit-exact.
+point: Trainer goes on with the same batches and dropout masks, bit-exact. Run it again after
+the run finished and it trains nothing (raise ``--steps`` to train on).
 
 Example:
     python examples/train_hf.py --run-dir runs/hf --steps 200
@@ -98,16 +99,25 @@ def train(args, callbacks=()) -> dict:
     """Train as ``args`` say, resuming from the history's newest restore point if it has one.
 
     Returns:
-        ``{"start_step", "last_step", "train_loss"}``.
+        ``{"start_step", "last_step", "train_loss"}`` (``train_loss`` None when the run was
+        finished before: nothing was trained).
     """
     trainer, history = build_trainer(args, callbacks)
-    resume = history.resume_from_checkpoint(trainer) if history else None
-    start = 0 if resume is None else history.resumed_from
-    if resume:
-        print(f"resumed from step {start} in {args.run_dir}", flush=True)
-    else:
-        print(f"starting in {args.run_dir}" if history else "starting without a history", flush=True)
-    out = trainer.train(resume_from_checkpoint=resume)
+    try:
+        resume = history.resume_from_checkpoint(trainer) if history else None
+        if history and history.finished:
+            print(f"finished: step {history.resumed_from} in {args.run_dir}; nothing to train "
+                  "(raise --steps to train on)", flush=True)
+            return {"start_step": history.resumed_from, "last_step": history.resumed_from, "train_loss": None}
+        start = 0 if resume is None else history.resumed_from
+        if resume:
+            print(f"resumed from step {start} in {args.run_dir}", flush=True)
+        else:
+            print(f"starting in {args.run_dir}" if history else "starting without a history", flush=True)
+        out = trainer.train(resume_from_checkpoint=resume)
+    finally:  # an exception in Trainer leaves the history open: commit what was written
+        if history:
+            history.close()
     print(f"done: step {out.global_step} | train loss {out.training_loss:.4f}", flush=True)
     return {"start_step": start, "last_step": out.global_step, "train_loss": out.training_loss}
 

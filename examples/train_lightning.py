@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import train_gpt  # the folder of this script is on sys.path: it puts the repository there too
+import datastates_hist as dh
 from datastates_hist.integrations.lightning import HistoryCheckpoint
 
 
@@ -133,12 +134,15 @@ def train(args, callbacks=()) -> dict:
         history = HistoryCheckpoint(args.run_dir, backend=args.backend, codec=args.codec,
                                     **train_gpt.history_policies(args))
         extra = {"callbacks": [timer, *callbacks, history], "plugins": [history.checkpoint_io]}
-        if args.resume_from is not None:  # later steps belong to the branch left behind
-            history.checkpoint_io.checkpointer.truncate(after=args.resume_from)
         if args.resume or args.resume_from is not None:
-            ckpt_path = history.resume_path(args.resume_from)
+            try:  # checked before the later steps go
+                ckpt_path = history.resume_path(args.resume_from)
+            except (dh.StepNotFoundError, dh.StoreNotFoundError) as exc:
+                raise SystemExit(f"--resume-from {args.resume_from}: {exc}") from None
             print(f"resuming from {ckpt_path}" if ckpt_path else f"no restore point in {args.run_dir}; "
                   "starting from step 0")
+        if args.resume_from is not None:  # later steps belong to the branch left behind
+            history.checkpoint_io.checkpointer.truncate(after=args.resume_from)
     trainer = L.Trainer(max_steps=args.steps if args.stop_at is None else min(args.steps, args.stop_at),
                         accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, log_every_n_steps=args.log_every, **extra)

@@ -196,7 +196,7 @@ def test_a_new_run_on_a_used_history_is_refused(tmp_path, two_steps, train_hf, t
 
 def test_a_resume_not_passed_to_train_is_refused(two_steps, train_hf, text):
     run_dir, _ = two_steps
-    trainer, history = trainer_of(train_hf, run_dir, text)
+    trainer, history = trainer_of(train_hf, run_dir, text, steps=3)
     folder = history.resume_from_checkpoint(trainer)
     assert os.path.basename(folder) == "checkpoint-2" and history.resumed_from == 2
     assert sorted(os.listdir(folder)) == ["config.json", "generation_config.json", "model.safetensors",
@@ -234,3 +234,101 @@ def test_several_processes_are_refused(tmp_path):
         history.on_train_begin(types.SimpleNamespace(world_size=2), None, None)
     history.close()
     assert str(err.value) == "HistoryCallback writes the history of one process; this Trainer runs 2 processes"
+
+
+def test_the_last_step_holds_the_last_update_not_the_best_checkpoint(tmp_path, train_hf, text):
+    """load_best_model_at_end loads step 2's weights before on_train_end: step 5 is written before."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from datastates_hist.integrations.transformers import HistoryCallback
+
+    class Weights(TrainerCallback):
+        after = {}  # the embedding after each update
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.after[state.global_step] = model.transformer.wte.weight.detach().clone()
+
+    torch.set_num_threads(1)
+    run_dir = str(tmp_path / "run")
+    history = HistoryCallback(run_dir, codec="raw")
+    with open(text, "rb") as f:
+        data = train_hf.ByteWindows(torch.frombuffer(bytearray(f.read()), dtype=torch.uint8), 32)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "trainer"), max_steps=5, per_device_train_batch_size=4, learning_rate=1e-2,
+        eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+        metric_for_best_model="loss", greater_is_better=True,  # the best: the highest loss, step 2's
+        report_to="none", disable_tqdm=True, use_cpu=True, logging_steps=1)
+    trainer = Trainer(model=train_hf.build_model("tiny", 32), args=args, train_dataset=data, eval_dataset=data,
+                      callbacks=[Weights(), history])
+    trainer.train(resume_from_checkpoint=history.resume_from_checkpoint(trainer))
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
+    assert torch.equal(trainer.model.transformer.wte.weight, Weights.after[2])  # Trainer loaded the best
+    with dh.open(run_dir) as h:
+        assert h.steps == [0, 1, 2, 3, 4, 5] and 5 in h.restore_points
+        stored = {s: torch.as_tensor(h.read("model/transformer.wte.weight", s)) for s in h.steps[1:]}
+        assert h.scalars()["extra/data/train_loss"].dropna().index.tolist() == [5]  # the training summary
+    for step, weights in stored.items():
+        assert torch.equal(weights, Weights.after[step]), step
+    assert not torch.equal(stored[5], Weights.after[2])
+
+
+def test_the_folder_of_a_crashed_resume_is_replaced(two_steps, train_hf, text):
+    run_dir, _ = two_steps
+    trainer, history = trainer_of(train_hf, run_dir, text, steps=3)
+    resume_dir = os.path.dirname(history.resume_from_checkpoint(trainer))
+    history.close()
+    assert not os.path.exists(resume_dir)
+    output_dir = trainer.args.output_dir
+    assert os.path.dirname(resume_dir) == output_dir and os.path.basename(resume_dir).startswith(".datastates-resume-")
+    # a resume killed before training began, and the resume folder of another history in the same output_dir
+    os.makedirs(os.path.join(resume_dir, "checkpoint-1"))
+    other = os.path.join(output_dir, ".datastates-resume-0123456789abcdef")
+    os.makedirs(other)
+
+    trainer, history = trainer_of(train_hf, run_dir, text, steps=3)
+    folder = history.resume_from_checkpoint(trainer)
+    assert folder == os.path.join(resume_dir, "checkpoint-2")  # the same name: derived from the history
+    assert os.listdir(resume_dir) == ["checkpoint-2"]
+    history.close()
+    assert not os.path.exists(resume_dir)
+    assert os.path.isdir(other)
+    os.rmdir(other)
+
+
+def test_the_resume_folder_is_not_pushed_to_the_hub(two_steps, train_hf, text):
+    run_dir, _ = two_steps
+    trainer, history = trainer_of(train_hf, run_dir, text, steps=3)
+    trainer.args.push_to_hub = True  # set after the Trainer was made: it would create a Hub repository
+
+    def push_to_hub(*args, **kwargs):
+        raise AssertionError("pushed to the Hub")
+
+    trainer.push_to_hub = push_to_hub
+    try:
+        folder = history.resume_from_checkpoint(trainer)
+    finally:
+        history.close()
+    assert os.path.basename(folder) == "checkpoint-2"
+
+
+def test_a_finished_run_is_not_trained_again(two_steps, train_hf, text, capsys):
+    run_dir, _ = two_steps
+    trainer, history = trainer_of(train_hf, run_dir, text)  # max_steps 2: the history's last step
+    assert history.resume_from_checkpoint(trainer) is None
+    assert history.finished and history.resumed_from == 2
+    with dh.open(run_dir) as h:
+        want = torch.as_tensor(h.read("model/transformer.wte.weight", 2))
+    assert torch.equal(trainer.model.transformer.wte.weight.detach(), want)  # the model holds the last step
+    with pytest.raises(ValueError) as err:
+        trainer.train()
+    history.close()
+    assert str(err.value) == (f"{run_dir} is finished: its step 2 reached the Trainer's max_steps (2); raise "
+                              "max_steps to train on, or write to a new directory")
+    assert os.listdir(trainer.args.output_dir) == []  # no resume folder
+
+    args = train_hf.build_parser().parse_args(["--run-dir", run_dir, "--text", text, *TRAIN, "--steps", "2"])
+    assert train_hf.train(args) == {"start_step": 2, "last_step": 2, "train_loss": None}
+    assert capsys.readouterr().out == (f"finished: step 2 in {run_dir}; nothing to train (raise --steps to train "
+                                       "on)\n")
+    with dh.open(run_dir) as h:
+        assert h.steps == [0, 1, 2]

@@ -283,3 +283,169 @@ def test_bad_arguments(tmp_path):
         io.remove_checkpoint(run)
     assert str(err.value) == (f"cannot remove '{run}': which steps of a history stay is decided by its retention "
                               "policies (keep=, trajectory=) or by `datastates-hist prune`")
+
+
+class Saved(L.Callback):
+    """Every tensor of each checkpoint dict as Lightning made it at the save, by its stored name
+    (its on_save_checkpoint runs when the dict is dumped, before the history stores it)."""
+
+    def __init__(self):
+        self.steps = {}
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        tensors = {}
+
+        def walk(value, name):
+            if isinstance(value, torch.Tensor):
+                tensors[name] = value.detach().clone()
+            elif isinstance(value, dict):
+                for key, item in value.items():
+                    walk(item, f"{name}/{key}")
+            elif isinstance(value, (list, tuple)):
+                for i, item in enumerate(value):
+                    walk(item, f"{name}/{i}")
+        for key, value in checkpoint.items():
+            walk(value, "model" if key == "state_dict" else f"extra/lightning/{key}")
+        self.steps[checkpoint["global_step"]] = tensors
+
+
+class Wide(L.LightningModule):
+    """A layer big enough that its copy is still running when the next hooks come, and a
+    BatchNorm built in ``__init__`` or in ``configure_model``."""
+
+    def __init__(self, norm_in_configure_model=False):
+        super().__init__()
+        self.wide = torch.nn.Linear(1024, 1024)
+        self.norm_in_configure_model = norm_in_configure_model
+        if not norm_in_configure_model:
+            self.norm = torch.nn.BatchNorm1d(1024)
+
+    def configure_model(self):
+        if self.norm_in_configure_model and not hasattr(self, "norm"):
+            self.norm = torch.nn.BatchNorm1d(1024)
+
+    def forward(self, x):
+        return self.norm(self.wide(x))
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        return self(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def fit_wide(module, history, tmp_path, callbacks=(), val=False, max_steps=6, ckpt_path=None):
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 1024) * 3 + 1), batch_size=8)
+    trainer = L.Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu", callbacks=[*callbacks, history], plugins=[history.checkpoint_io],
+                        default_root_dir=str(tmp_path), num_sanity_val_steps=0,
+                        **({"val_check_interval": 1, "limit_val_batches": 1} if val else {}))
+    trainer.fit(module, data, data if val else None, ckpt_path=ckpt_path)
+    return trainer
+
+
+def assert_stored_as_saved(run, saved):
+    assert committed(run) == sorted(saved)
+    for step, want in saved.items():
+        tensors, _ = step_state(run, step)
+        assert want.keys() <= tensors.keys()
+        for name, tensor in want.items():
+            assert torch.equal(tensors[name], tensor), (step, name)
+
+
+def test_validation_that_swaps_weights_in_place(tmp_path):
+    """EMAWeightAveraging copies the averaged weights into the model (.data.copy_()) when validation
+    starts and when training ends: each step stored holds the weights as they were at its save."""
+    run, saved = str(tmp_path / "run"), Saved()
+    ema = L.pytorch.callbacks.EMAWeightAveraging(decay=0.5)
+    fit_wide(Wide(), HistoryCheckpoint(run, codec="raw"), tmp_path, [ema, saved], val=True)
+    assert sorted(saved.steps) == [1, 2, 3, 4, 5, 6]
+    assert any("current_model_state" in name for name in saved.steps[6])  # EMA's own copy, stored too
+    assert_stored_as_saved(run, saved.steps)
+
+
+def test_buffers_built_in_configure_model(tmp_path):
+    """A BatchNorm built in configure_model (after setup): its statistics, changed by the next
+    forward, are stored as they were at the save."""
+    run, saved = str(tmp_path / "run"), Saved()
+    fit_wide(Wide(norm_in_configure_model=True), HistoryCheckpoint(run, codec="raw"), tmp_path, [saved])
+    assert "model/norm.running_mean" in saved.steps[6]
+    assert_stored_as_saved(run, saved.steps)
+
+
+def test_every_n_steps_saves_the_last_step(tmp_path):
+    run = str(tmp_path / "run")
+    fit_wide(Wide(), HistoryCheckpoint(run, every_n_steps=4), tmp_path, max_steps=6)
+    assert committed(run) == [4, 6]
+
+
+def test_a_save_after_fit_at_the_same_step(tmp_path):
+    run = str(tmp_path / "run")
+    trainer = fit_wide(Wide(), HistoryCheckpoint(run), tmp_path, max_steps=2)
+    with pytest.raises(dh.StepOrderError) as err:
+        trainer.save_checkpoint(run)
+    assert str(err.value) == (
+        f"cannot save the checkpoint of trainer.global_step 2 to {run!r}: the history already holds step 2, "
+        "and its steps only grow (one per global step; to branch from an earlier step, call "
+        "checkpoint_io.checkpointer.truncate(after=...) first)")
+    with dh.Checkpointer(run) as ckpt:  # the writer lock was given back
+        assert ckpt.steps() == [1, 2]
+
+
+def test_resume_path_names_the_restore_points(tmp_path):
+    run = str(tmp_path / "run")
+    history = HistoryCheckpoint(run)
+    with pytest.raises(dh.StoreNotFoundError):
+        history.resume_path(3)
+    with dh.Checkpointer(run, keep=dh.KeepEvery(4), trajectory=dh.Trajectory("model/*")) as ckpt:
+        for step in range(1, 10):
+            ckpt.write(step, torch.nn.Linear(2, 2))
+    assert history.resume_path(4) == f"{run}:4"
+    with pytest.raises(dh.StepNotFoundError) as err:
+        history.resume_path(6)
+    assert str(err.value) == (f"step 6 of {run} is a trajectory point, not a restore point: it keeps 2 tensor(s) to "
+                              "read, not the whole state. The nearest restore points: 4 and 8")
+    with pytest.raises(dh.StepNotFoundError) as err:
+        history.resume_path(12)
+    assert str(err.value) == (f"step 12 is not committed in {run} (committed steps: 1..9 (9)). "
+                              "The nearest restore point: 9")  # the newest step stays one
+
+
+def test_resume_from_a_step_that_is_no_restore_point(tmp_path):
+    """The example checks --resume-from before it drops the later steps."""
+    run = str(tmp_path / "run")
+    train(args_for(run, "adios2", "--steps", "4"))  # KeepLast(2): restore points 3 and 4
+    with pytest.raises(SystemExit) as err:
+        train(args_for(run, "adios2", "--steps", "4", "--resume-from", "2"))
+    assert str(err.value) == (f"--resume-from 2: step 2 of {run} is a trajectory point, not a restore point: it "
+                              f"keeps {len(dh.open(run).names(2))} tensor(s) to read, not the whole state. "
+                              "The nearest restore point: 3")
+    assert committed(run) == [1, 2, 3, 4]
+    assert dh.open(run).restore_points == [3, 4]
+
+
+@pytest.mark.parametrize("stored, why", [
+    ("oops", "is of type str, not Lightning's checkpoint dict"),
+    ([1, 2], "is of type list, not Lightning's checkpoint dict"),
+    (5, "is of type int, not Lightning's checkpoint dict"),
+    ({"global_step": 3, "loops": 3}, "has no 'epoch'"),
+    ({"epoch": 0, "global_step": "x", "pytorch-lightning_version": "2.6"},
+     "has a 'global_step' of type str, not int"),
+])
+def test_a_malformed_lightning_entry_is_refused(tmp_path, stored, why):
+    from datastates_hist.integrations.lightning import LightningModelState
+    run = str(tmp_path / "run")
+    torch.manual_seed(1)
+    with dh.Checkpointer(run) as ckpt:
+        ckpt.write(0, LightningModelState({"w": torch.zeros(2)}), lightning=stored)
+    torch.manual_seed(2)
+    rng = torch.get_rng_state()
+    with pytest.raises(ValueError) as err:
+        HistoryCheckpointIO(run).load_checkpoint(run)
+    assert str(err.value) == (f"cannot load {run!r} into Lightning: its step 0 was not written through "
+                              f"HistoryCheckpointIO (it holds no Lightning checkpoint: extra/lightning {why})")
+    assert torch.equal(torch.get_rng_state(), rng)  # the RNG is left as it was

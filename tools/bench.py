@@ -85,8 +85,8 @@ def throttled(name: str, mb_per_s: float) -> str:
     inner = get_backend(name)
 
     class Throttled(type(inner)):
-        def begin_step(self, steps_dir, step, group=None):
-            writer = inner.begin_step(steps_dir, step)
+        def begin_step(self, steps_dir, step, group=None, part=""):
+            writer = inner.begin_step(steps_dir, step, group, part)
             put = writer.put
 
             def slow_put(var, array, start):

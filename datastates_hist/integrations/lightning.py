@@ -16,8 +16,9 @@ Lightning splits checkpointing in two, and so does this module:
 - :class:`HistoryCheckpoint` is the ``Checkpoint`` callback that decides when: it saves every
   ``every_n_steps`` optimizer steps (at the end of the batch, as ``ModelCheckpoint`` does) and makes
   training wait for the lazy snapshot only where it must: before the next optimizer update
-  (``on_before_optimizer_step``, after forward and backward) and, for a model with buffers, before
-  the next batch.
+  (``on_before_optimizer_step``, after forward and backward), for a model with buffers before the
+  next batch, before validation (callbacks such as ``EMAWeightAveraging`` swap weights in place
+  then), and right after the save of an epoch's or the fit's last batch.
 
     history = HistoryCheckpoint("runs/lit", keep=dh.KeepLast(2) | dh.KeepEvery(1000),
                                 trajectory=dh.Trajectory("model/*"))
@@ -36,7 +37,7 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.callbacks import Checkpoint
 
 from ..checkpointer import Checkpointer
-from ..errors import RestoreMismatchError
+from ..errors import RestoreMismatchError, StepNotFoundError, StepOrderError
 from ..layout import index_path
 from ..providers import TreeProvider, register_provider
 from ..restore import restore_step
@@ -44,6 +45,10 @@ from ..store import Store
 
 # The extra that holds all of Lightning's checkpoint dict but its state_dict (the model, under model/).
 LIGHTNING_KEY = "lightning"
+
+# The keys every checkpoint dict Lightning dumps holds, and their types: a stored value without
+# them is not a Lightning checkpoint.
+LIGHTNING_KEYS = {"epoch": int, "global_step": int, "pytorch-lightning_version": str}
 
 # What ``trainer.save_checkpoint(RUN, storage_options=...)`` may pass.
 STORAGE_OPTIONS = ("data",)
@@ -143,9 +148,25 @@ class HistoryCheckpointIO(CheckpointIO):
         extra = {"data": data} if (data := _data_option(storage_options)) else {}
         state = dict(checkpoint)
         model = LightningModelState(state.pop("state_dict", {}))
-        self.checkpointer.write(checkpoint["global_step"], model, **{LIGHTNING_KEY: state}, **extra)
-        if not self.lazy:
-            self.checkpointer.wait()
+        step = checkpoint["global_step"]
+        # outside HistoryCheckpoint's guard (a save after fit) the run's writer lock is not kept
+        opened_here = self._checkpointer is None or self._checkpointer.closed
+        checkpointer = self.checkpointer
+        try:
+            try:
+                checkpointer.write(step, model, **{LIGHTNING_KEY: state}, **extra)
+            except StepOrderError:
+                checkpointer.wait()
+                raise StepOrderError(
+                    f"cannot save the checkpoint of trainer.global_step {step} to {self.path!r}: the history "
+                    f"already holds step {checkpointer.steps()[-1]}, and its steps only grow (one per "
+                    "global step; to branch from an earlier step, call "
+                    "checkpoint_io.checkpointer.truncate(after=...) first)") from None
+            if not self.lazy:
+                checkpointer.wait()
+        finally:
+            if opened_here and not self.lazy:
+                checkpointer.close()
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's checkpoint dict of the step ``path`` names (``RUN``: its newest restore
@@ -159,13 +180,17 @@ class HistoryCheckpointIO(CheckpointIO):
             self._checkpointer.wait()  # steps in flight are read once committed
         model = LightningModelState()
         try:
-            restored = restore_step(run, step, model, None, strict=True, rng=self.rng and not _distributed(),
-                                    extra={})
+            restored = restore_step(run, step, model, None, strict=True, rng=False, extra={})
         except RestoreMismatchError as exc:  # its model was not stored as Lightning's state_dict
             raise not_lightning(path, exc.step) from None
-        if LIGHTNING_KEY not in restored.extra:
+        state = restored.extra.get(LIGHTNING_KEY)
+        if state is None:
             raise not_lightning(path, restored.step)
-        return {**restored.extra[LIGHTNING_KEY], "state_dict": dict(model)}
+        if (wrong := _not_lightning_dict(state)) is not None:
+            raise not_lightning(path, restored.step, f"extra/{LIGHTNING_KEY} {wrong}")
+        if self.rng and not _distributed():  # only once the step is known to be Lightning's
+            restore_step(run, restored.step, None, None, strict=True, rng=True, extra={})
+        return {**state, "state_dict": dict(model)}
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint file (``TorchCheckpointIO``); steps of a history are not removed
@@ -188,10 +213,24 @@ class HistoryCheckpointIO(CheckpointIO):
             self._checkpointer.close()
 
 
-def not_lightning(path: Any, step: int) -> ValueError:
-    """The error of loading a step that was not written through :class:`HistoryCheckpointIO`."""
+def not_lightning(path: Any, step: int, why: str = "") -> ValueError:
+    """The error of loading a step that was not written through :class:`HistoryCheckpointIO`
+    (``why``: what it holds instead)."""
     return ValueError(f"cannot load {os.fspath(path)!r} into Lightning: its step {step} was not written "
-                      "through HistoryCheckpointIO (it holds no Lightning checkpoint)")
+                      "through HistoryCheckpointIO (it holds no Lightning checkpoint" +
+                      (f": {why})" if why else ")"))
+
+
+def _not_lightning_dict(state: Any) -> str | None:
+    """What makes ``state`` other than a checkpoint dict Lightning dumped, in words; None if nothing."""
+    if not isinstance(state, dict):
+        return f"is of type {type(state).__name__}, not Lightning's checkpoint dict"
+    for key, kind in LIGHTNING_KEYS.items():
+        if key not in state:
+            return f"has no {key!r}"
+        if not isinstance(state[key], kind) or isinstance(state[key], bool):
+            return f"has a {key!r} of type {type(state[key]).__name__}, not {kind.__name__}"
+    return None
 
 
 def _data_option(storage_options: Any) -> dict:
@@ -216,7 +255,7 @@ class HistoryCheckpoint(Checkpoint):
 
     Args:
         path: the run directory.
-        every_n_steps: save when ``trainer.global_step`` is a multiple of it.
+        every_n_steps: save when ``trainer.global_step`` is a multiple of it, and at the fit's last step.
         rng, **options: as :class:`HistoryCheckpointIO`'s.
     """
 
@@ -230,17 +269,32 @@ class HistoryCheckpoint(Checkpoint):
 
     def resume_path(self, step: int | None = None) -> str | None:
         """``ckpt_path`` for ``trainer.fit``: the run (its newest restore point) or ``RUN:STEP``;
-        None when the run has no restore point yet (a fresh start)."""
+        None when the run has no restore point yet (a fresh start).
+
+        Raises:
+            StepNotFoundError: ``step`` is not a restore point of the run (the error names the
+                nearest ones).
+            StoreNotFoundError: ``step`` is given and the run does not exist.
+        """
         run = self.checkpoint_io.path
-        if not _is_run(run):
+        if step is None and not _is_run(run):
             return None
         store = Store(run)
         try:
-            if not store.restore_points():
-                return None
+            if step is None:
+                return run if store.restore_points() else None
+            if step not in store.restore_points():
+                nearest = store.nearest_restore_points(step)
+                try:
+                    row = store.row(step)
+                except StepNotFoundError as exc:
+                    raise StepNotFoundError(f"{exc}. {nearest}") from None
+                raise StepNotFoundError(
+                    f"step {step} of {run} is a trajectory point, not a restore point: it keeps "
+                    f"{row.ntensors} tensor(s) to read, not the whole state. {nearest}")
         finally:
             store.close()
-        return run if step is None else f"{run}:{step}"
+        return f"{run}:{step}"
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         io = trainer.strategy.checkpoint_io
@@ -250,15 +304,20 @@ class HistoryCheckpoint(Checkpoint):
             raise ValueError("HistoryCheckpoint saves through its own CheckpointIO: pass it to the Trainer "
                              "too, Trainer(callbacks=[history], plugins=[history.checkpoint_io])")
         self.checkpoint_io.lazy = True
-        params = {name for name, _ in pl_module.named_parameters(remove_duplicate=False)}
-        # buffers (BatchNorm statistics) change in forward: their copy must be done before it
-        self._waits_before_batch = any(name not in params for name in pl_module.state_dict())
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.checkpoint_io.lazy = False
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._last_global_step = trainer.global_step
+        # here, not in setup: configure_model() builds the model after setup
+        params = {name for name, _ in pl_module.named_parameters(remove_duplicate=False)}
+        # buffers (BatchNorm statistics) change in forward: their copy must be done before it
+        self._waits_before_batch = any(name not in params for name in pl_module.state_dict())
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        # validation callbacks (EMAWeightAveraging) swap the weights in place
+        self.checkpoint_io.wait_snapshot()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._waits_before_batch:
@@ -272,10 +331,14 @@ class HistoryCheckpoint(Checkpoint):
         if step == self._last_global_step:  # no optimizer step in this batch (gradient accumulation)
             return
         self._last_global_step = step
-        if step % self.every_n_steps or trainer.fast_dev_run:  # fast_dev_run: no checkpoints, as Lightning's
+        fit_ends = 0 <= trainer.max_steps <= step or (
+            trainer.is_last_batch and 0 < (trainer.max_epochs or 0) <= trainer.current_epoch + 1)
+        if (step % self.every_n_steps and not fit_ends) or trainer.fast_dev_run:  # fast_dev_run: as Lightning's
             return
         trainer.save_checkpoint(self.checkpoint_io.path, weights_only=False,
                                 storage_options={"data": _numbers(trainer.callback_metrics)})
+        if fit_ends or trainer.is_last_batch:  # epoch-end and train-end hooks may change weights in place
+            self.checkpoint_io.wait_snapshot()
 
 
 def _numbers(metrics: dict) -> dict[str, float]:

@@ -7,7 +7,9 @@
 
 **When.** Step N (Trainer's ``global_step``: N optimizer updates done) is written when
 update N+1 begins (``on_step_begin``, after its batches were fetched), and the last step
-when training ends; a new run's first write is step 0, the initial state. By then Trainer
+when training ends (when Trainer logs its training summary, before
+``load_best_model_at_end`` loads another checkpoint's weights); a new run's first write is
+step 0, the initial state. By then Trainer
 has logged and evaluated step N, as its own checkpoint of step N would hold, and the
 random generators stand where update N+1 starts drawing (dropout), so that a resumed run
 draws the same. ``write()`` returns before any tensor is copied: the forward of update N+1
@@ -25,19 +27,30 @@ skips the epochs and batches already trained, and its seedable sampler orders ea
 batches by ``seed + epoch``. :meth:`HistoryCallback.resume_from_checkpoint` gives it one: it
 restores the model from the newest restore point, writes a model-only Trainer checkpoint of
 it (the weights and ``trainer_state.json``, what ``save_only_model=True`` writes) into a
-temporary folder under ``args.output_dir``, and returns its path. When the first update
-begins, the callback restores the model, optimizer, scheduler and RNG states from the same
-step, and the run goes on as if it had not stopped. The folder is removed when training
-begins.
+folder under ``args.output_dir`` named after the history (the one a crashed resume left
+there is replaced), and returns its path. When the first update begins, the callback restores
+the model, optimizer, scheduler and RNG states from the same step, and the run goes on as if
+it had not stopped. The folder is removed when training begins. A finished run (its newest
+restore point at the Trainer's ``max_steps``) is not trained again: ``resume_from_checkpoint``
+returns None, sets ``history.finished`` and leaves the model with the last step's weights, and
+``train()`` is refused with an error.
+
+**Errors.** An exception inside ``trainer.train()`` leaves the history open; the steps written
+are committed when the process exits, or at once by ``history.close()``:
+
+    try:
+        trainer.train(resume_from_checkpoint=history.resume_from_checkpoint(trainer))
+    finally:
+        history.close()
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -65,6 +78,7 @@ class HistoryCallback(TrainerCallback):
         self.options = options
         self.checkpointer: Checkpointer | None = Checkpointer(self.path, **options)
         self.resumed_from: int | None = None  # the step the last resume_from_checkpoint() found
+        self.finished = False  # that step is at the Trainer's max_steps: nothing is left to train
         self._trainer = None
         self._resuming = False  # the next train() starts at step resumed_from
         self._restore_pending = False  # the first update of a resumed run restores the rest
@@ -81,12 +95,20 @@ class HistoryCallback(TrainerCallback):
         point (see the module's docstring). Steps after that restore point, if any, are
         dropped from the history: they belong to the run that stopped.
 
+        None also when that restore point is at the Trainer's ``max_steps``: the run is
+        finished, :attr:`finished` is True, the model holds that step's weights, and
+        ``trainer.train()`` is refused (raise ``max_steps`` to train on).
+
         Also gives the callback the Trainer, whose stateful callbacks are then saved with
         every step."""
         self._trainer = trainer
         ckpt = self._open()
         self._remove_resume_dir()
-        self.resumed_from, self._resuming = None, False
+        self.resumed_from, self._resuming, self.finished = None, False, False
+        # named after the history: a resume that crashed before training began left it there
+        resume_dir = os.path.join(trainer.args.output_dir, ".datastates-resume-" + hashlib.sha256(
+            os.path.realpath(self.path).encode()).hexdigest()[:16])
+        shutil.rmtree(resume_dir, ignore_errors=True)
         if not ckpt.steps():
             return None
         restored = ckpt.restore(model=trainer.model, rng=False)
@@ -94,13 +116,16 @@ class HistoryCallback(TrainerCallback):
             raise ValueError(f"step {restored.step} of {self.path} holds no Trainer state (extra/trainer_state): "
                              "its history was not written by HistoryCallback")
         ckpt.truncate(after=restored.step)
-        os.makedirs(trainer.args.output_dir, exist_ok=True)
-        self._resume_dir = tempfile.mkdtemp(prefix=".datastates-resume-", dir=trainer.args.output_dir)
+        self.resumed_from = restored.step
+        if restored.step >= trainer.set_initial_training_values(trainer.args, trainer.get_train_dataloader())[-1]:
+            self.finished = True
+            return None
+        self._resume_dir = resume_dir
         folder = os.path.join(self._resume_dir, f"checkpoint-{restored.step}")
-        trainer.save_model(folder)
+        trainer.save_model(folder, _internal_call=True)  # a folder to read back, not to push to the Hub
         with open(os.path.join(folder, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
             f.write(restored.extra["trainer_state"])
-        self.resumed_from, self._resuming = restored.step, True
+        self._resuming = True
         return folder
 
     def _remove_resume_dir(self) -> None:
@@ -125,6 +150,10 @@ class HistoryCallback(TrainerCallback):
                     f"{self.path}: pass history.resume_from_checkpoint(trainer) to "
                     "trainer.train(resume_from_checkpoint=...)")
             self._restore_pending = True
+        elif self.finished:
+            raise ValueError(
+                f"{self.path} is finished: its step {self.resumed_from} reached the Trainer's max_steps "
+                f"({state.max_steps}); raise max_steps to train on, or write to a new directory")
         elif steps and steps[-1] >= state.global_step:
             raise ValueError(
                 f"{self.path} already holds steps up to {steps[-1]} and the Trainer starts at step "
@@ -140,6 +169,15 @@ class HistoryCallback(TrainerCallback):
             self._restore_pending = False
         elif self._written is None or state.global_step > self._written:
             self._write(state, control, model, optimizer, lr_scheduler)
+
+    def on_log(self, args, state: TrainerState, control: TrainerControl, logs=None, model=None, optimizer=None,
+               lr_scheduler=None, **kwargs):
+        # Trainer's training summary: the last update is done, and load_best_model_at_end has not
+        # yet put another checkpoint's weights into the model; it does so in place, so the
+        # snapshot must be taken before
+        if "train_runtime" in (logs or {}) and (self._written is None or state.global_step > self._written):
+            self._write(state, control, model, optimizer, lr_scheduler)
+            self.checkpointer.wait_snapshot()
 
     def on_train_end(self, args, state: TrainerState, control: TrainerControl, model=None, optimizer=None,
                      lr_scheduler=None, **kwargs):

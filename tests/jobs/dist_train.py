@@ -214,10 +214,12 @@ def fail_open_at(step: int):
     """Make this rank fail to open its writer of one step (before anything is written)."""
     from datastates_hist.backends.base import Backend
 
-    def begin_step(self, steps_dir, at, group=None, _original=Backend.begin_step):
+    original = Backend.begin_step
+
+    def begin_step(self, steps_dir, at, group=None, part=""):
         if at == step:
             raise OSError(f"injected failure to open step {step}")
-        return _original(self, steps_dir, at, group)
+        return original(self, steps_dir, at, group, part)
 
     Backend.begin_step = begin_step
 
