@@ -70,6 +70,7 @@ OP_PHASES = ("repair", "repair build", "repair swap", "prune", "prune rows", "pr
 PHASES = WRITE_PHASES + OP_PHASES
 SLOT = {name: i for i, name in enumerate(PHASES)}
 WRITES_AT = 32  # int32: writes issued by the current child
+HOLD_AT = 36  # byte: a phase (its slot + 1) whose thread, once inside, stays there until the kill
 TARGETS = WRITE_PHASES + ("anywhere",)
 # the phases each operation's kills aim at, in turn; the operation itself: a random moment in it
 OP_TARGETS = {"repair": ("repair build", "repair swap", "repair"),
@@ -97,6 +98,8 @@ def _instrument(shared: mmap.mmap) -> None:
         def marked(*args, **kwargs):
             shared[SLOT[phase]] = 1
             try:
+                while shared[HOLD_AT] == SLOT[phase] + 1:  # the parent kills the child here
+                    time.sleep(0.001)
                 return original(*args, **kwargs)
             finally:
                 shared[SLOT[phase]] = 0
@@ -274,8 +277,11 @@ class Torture:
 
     targets = TARGETS  # where the kills aim, in turn
 
-    def __init__(self, run_dir: str, backend: str, seed: int = 0, policies: bool = False):
-        self.run_dir, self.backend, self.policies = run_dir, backend, policies
+    def __init__(self, run_dir: str, backend: str, seed: int = 0, policies: bool = False, held: bool = False):
+        """``held``: every kill aimed at a phase lands at its entry (the child's thread is
+        held there until the kill), so that each kill is in the phase it aims at; else at a
+        random moment inside it, which a short phase may have left by the kill."""
+        self.run_dir, self.backend, self.policies, self.held = run_dir, backend, policies, held
         self.rng = random.Random(seed)
         work = os.path.dirname(os.path.abspath(run_dir))
         self.shared_path = os.path.join(work, "torture.shared")
@@ -373,6 +379,7 @@ class Torture:
             self.model_checksums += len(sums)
 
     def kill_once(self, target: str) -> None:
+        held = self.held and target not in ("anywhere", "startup")  # startup lasts long enough
         child = self._start()
         if target == "startup":
             self._wait(lambda: self.shared[SLOT["startup"]], child)
@@ -389,12 +396,15 @@ class Torture:
             if target == "anywhere":
                 time.sleep(self.rng.uniform(0, 0.3))
             else:
+                if held:  # after the warm-up writes: the next entry into the phase waits there
+                    self.shared[HOLD_AT] = SLOT[target] + 1
                 self._wait(lambda: self.shared[SLOT[target]], child, timeout=10)
-        if self.rng.random() < 0.5:  # sometimes a little later inside the phase
+        if not held and self.rng.random() < 0.5:  # sometimes a little later inside the phase
             time.sleep(self.rng.uniform(0, 0.002))
         inside = [p for p in PHASES if self.shared[SLOT[p]]]
         child.kill()
         child.join()
+        self.shared[HOLD_AT] = 0
         if child.exitcode != -9:
             self.failures.append(f"child {child.pid} exited with {child.exitcode} before the kill")
         self.kills[target] += 1
