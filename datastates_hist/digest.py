@@ -72,14 +72,14 @@ def _count_exponents(x: np.ndarray, counts: np.ndarray) -> None:
     counts += np.bincount(top.astype(np.intp), minlength=counts.size)
 
 
-def distribution(counts: np.ndarray, itemsize: int) -> dict:
+def distribution(counts: np.ndarray) -> dict:
     """The stored form of exponent ``counts``: ``{"exp0", "zero", "negative", "positive"}``,
     where ``positive[i]`` counts the values in ``[2**(exp0+i), 2**(exp0+i+1))``,
     ``negative[i]`` those in ``(-2**(exp0+i+1), -2**(exp0+i)]``, and ``zero`` those of
     magnitude below the smallest normal number (``2**-126`` for float32, ``2**-1022``
     for float64): zeros and subnormals. NaN and infinities are not counted
-    (``nonfinite`` counts them)."""
-    nb = 1 << _EXPONENT_BITS[itemsize]
+    (``nonfinite`` counts them). The counts' size tells their layout, float32's or float64's."""
+    nb = counts.size // 2
     bias = nb // 2 - 1
     signs = counts.reshape(2, nb)[:, 1:nb - 1]  # exponent 0: zero and subnormal; the last: inf, NaN
     zero = int(counts[0] + counts[nb])
@@ -116,7 +116,6 @@ class Digest:
         self.max = -math.inf
         self.nonfinite = 0
         self.counts: np.ndarray | None = None  # by sign and exponent, of floating-point values
-        self.counts_itemsize = 0
 
     def update(self, raw: np.ndarray, dtype: torch.dtype) -> None:
         """Add a piece: ``raw`` its stored bytes (the storage dtype), ``dtype`` the real one.
@@ -157,7 +156,6 @@ class Digest:
         """The tensor's counts by sign and exponent, in the layout of ``itemsize`` values."""
         if self.counts is None:
             self.counts = np.zeros(2 << _EXPONENT_BITS[itemsize], dtype=np.int64)
-            self.counts_itemsize = itemsize
         return self.counts
 
     def _add(self, x: np.ndarray, counts: np.ndarray | None) -> None:
@@ -207,7 +205,7 @@ class Digest:
     def distribution(self) -> dict | None:
         """The tensor's values by sign and binary exponent (:func:`distribution`); None
         for a tensor that is not of a floating-point type."""
-        return None if self.counts is None else distribution(self.counts, self.counts_itemsize)
+        return None if self.counts is None else distribution(self.counts)
 
     def checksum(self) -> str:
         return self.hasher.hexdigest()

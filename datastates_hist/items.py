@@ -82,7 +82,7 @@ class TensorRecord:
     shape: tuple[int, ...]
     nbytes: int
     checksum: str = ""
-    encoding: str = "raw"  # raw, key or delta (ENCODINGS)
+    encoding: str = RAW  # RAW, KEY or DELTA (ENCODINGS)
     stats: dict[str, float] = field(default_factory=dict)
     global_shape: tuple[int, ...] | None = None  # set when the tensor is a shard
     offset: tuple[int, ...] | None = None
@@ -129,7 +129,7 @@ class TensorRecord:
             rec = cls(
                 name=data["name"], dtype=data["dtype"], shape=_tuple(data["shape"]),
                 nbytes=data["nbytes"], checksum=data.get("checksum", ""),
-                encoding=data.get("encoding", "raw"), stats=dict(data.get("stats", {})),
+                encoding=data.get("encoding", RAW), stats=dict(data.get("stats", {})),
                 global_shape=_tuple(data["global_shape"]) if "global_shape" in data else None,
                 offset=_tuple(data["offset"]) if "offset" in data else None,
                 blocks=data["blocks"] if "blocks" in data else None,
@@ -174,7 +174,7 @@ class TensorRecord:
                              f"does not read (it reads {', '.join(ENCODINGS)})")
         if self.part not in PARTS:
             raise ValueError(f"tensor {name!r} lies in the unit {self.part!r}, not one of {list(PARTS)}")
-        if self.encoding != "raw":
+        if self.encoding != RAW:
             self._check_encoded(itemsize, indexed)
         if self.blocks is not None:
             self._check_blocks()
@@ -188,7 +188,7 @@ class TensorRecord:
                              "encodes only whole tensors")
         if not _is_int(self.stored) or self.stored < 0:
             raise ValueError(f"tensor {name!r} is encoded but records {self.stored!r} stored bytes")
-        if (self.encoding == "delta") != _is_int(self.base) or (self.base is not None and self.base < 0):
+        if (self.encoding == DELTA) != _is_int(self.base) or (self.base is not None and self.base < 0):
             raise ValueError(f"tensor {name!r} has the encoding {self.encoding!r} and the base {self.base!r}: "
                              "a delta needs the step it is encoded against, a key none")
         if self.base2 is not None and not (self.base is not None and _is_int(self.base2) and 0 <= self.base2 < self.base):

@@ -51,10 +51,8 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
         step = store.latest_restore_point() if step is None else step
         row = store.row(step)
         if row.tier == "trajectory" and strict:
-            raise StepNotFoundError(
-                f"step {step} of {run_dir} is a trajectory point, not a restore point: it keeps "
-                f"{row.ntensors} tensor(s) to read, not the whole state. {store.nearest_restore_points(step)}; "
-                "restore(step, strict=False) loads what it has and lists the rest")
+            raise StepNotFoundError(f"{store.not_a_restore_point(row)}; "
+                                    "restore(step, strict=False) loads what it has and lists the rest")
         with store.open_step(step) as data:
             items, objects = data.values["items"], data.values["objects"]
             ctx = context_for(model)

@@ -26,7 +26,7 @@ import torch
 
 from .digest import checksum_bytes, combine_distributions
 from .dtypes import storage_dtype
-from .items import TensorItem, TensorRecord, tiling_problem
+from .items import RAW, TensorItem, TensorRecord, tiling_problem
 
 
 def is_dtensor(t: Any) -> bool:
@@ -136,7 +136,7 @@ def _merge(name: str, found: list[tuple[int, TensorRecord]], parts: bool) -> Ten
     distributions = [b.pop("distribution") for b in blocks]
     distribution = None if None in distributions else combine_distributions(distributions)
     total = sum(r.nbytes for _, r in found)  # the blocks tile the tensor (checked above)
-    return TensorRecord(name, first.dtype, tuple(shape), total, checksum, "raw", stats, blocks=blocks,
+    return TensorRecord(name, first.dtype, tuple(shape), total, checksum, RAW, stats, blocks=blocks,
                         distribution=distribution)
 
 

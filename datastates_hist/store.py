@@ -419,6 +419,11 @@ class Store:
         return "The nearest restore point" + ("s: " if len(before + after) > 1 else ": ") + \
             " and ".join(str(p) for p in before + after)
 
+    def not_a_restore_point(self, row: StepRow) -> str:
+        """Why trajectory point ``row`` cannot be restored, and where to go instead."""
+        return (f"step {row.step} of {self.run_dir} is a trajectory point, not a restore point: it keeps "
+                f"{row.ntensors} tensor(s) to read, not the whole state. {self.nearest_restore_points(row.step)}")
+
     def records(self, step: int) -> list[TensorRecord]:
         records = self.index.records(step)
         if not records:  # the step is not committed, or was pruned: its rows go in one transaction

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+from ..durable import remove_tree
 from . import STEP_HELP, resolve_step, step_choice
 
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".dcp": "dcp"}
@@ -78,8 +79,6 @@ def is_dcp_output(path: str, partial: bool = False) -> bool:
 def remove_stale_temporary(tmp: str, kind: str) -> None:
     """Remove what an interrupted export left at ``tmp``: a file, a link (itself, never
     what it points at), or a partial DCP folder; refuse to remove any other folder."""
-    from ..durable import remove_tree
-
     if not os.path.lexists(tmp):
         return
     if os.path.isdir(tmp) and not os.path.islink(tmp) and not (kind == "dcp" and is_dcp_output(tmp, partial=True)):
@@ -88,7 +87,6 @@ def remove_stale_temporary(tmp: str, kind: str) -> None:
 
 
 def run(args) -> int:
-    from ..durable import remove_tree
     from ..history import History
     from ..items import MODEL_PREFIX, short_name
 

@@ -284,14 +284,11 @@ class HistoryCheckpoint(Checkpoint):
             if step is None:
                 return run if store.restore_points() else None
             if step not in store.restore_points():
-                nearest = store.nearest_restore_points(step)
                 try:
                     row = store.row(step)
                 except StepNotFoundError as exc:
-                    raise StepNotFoundError(f"{exc}. {nearest}") from None
-                raise StepNotFoundError(
-                    f"step {step} of {run} is a trajectory point, not a restore point: it keeps "
-                    f"{row.ntensors} tensor(s) to read, not the whole state. {nearest}")
+                    raise StepNotFoundError(f"{exc}. {store.nearest_restore_points(step)}") from None
+                raise StepNotFoundError(store.not_a_restore_point(row))
         finally:
             store.close()
         return f"{run}:{step}"
