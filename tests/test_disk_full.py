@@ -1,17 +1,23 @@
-"""A full disk: the error reaches the training loop, committed steps survive, writing resumes.
+"""A full disk: the error reaches the training loop once, as the library's exception,
+committed steps survive, writing resumes.
 
 The run lives on a real, small file system: an 8 MiB tmpfs mounted by the
 test (root is needed; without it the test is skipped).
 """
 
 import contextlib
+import errno
 import os
+import re
+import shutil
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 
 import datastates_hist as dh
+from datastates_hist.layout import PARTIAL, unit_name
 from datastates_hist.verify import verify_run
 
 
@@ -35,13 +41,19 @@ def free_bytes(path):
     return st.f_bavail * st.f_frsize
 
 
+def assert_quiet(stderr):
+    """Nothing of a storage library's own on stderr: no ADIOS2 error, no h5py or HDF5 traceback."""
+    for printed in ("ADIOS2", "Exception ignored", "HDF5-DIAG", "Traceback"):
+        assert printed not in stderr, stderr
+
+
 def train_step(model, opt):
     model(torch.randn(8, 256)).square().mean().backward()
     opt.step()
     opt.zero_grad()
 
 
-def test_disk_full_is_reported_at_the_next_call_and_writing_resumes_after_freeing_space(tmp_path, backend):
+def test_disk_full_is_reported_at_the_next_call_and_writing_resumes_after_freeing_space(tmp_path, backend, capfd):
     with small_file_system(str(tmp_path / "small")) as fs:
         filler = os.path.join(fs, "filler")
         with open(filler, "wb") as f:
@@ -67,10 +79,15 @@ def test_disk_full_is_reported_at_the_next_call_and_writing_resumes_after_freein
                 errors.append(("wait", exc))
         assert errors, f"the file system never filled up ({free_bytes(fs)} bytes free)"
         assert errors[0][0] == "write"  # raised by the loop's next write()
-        for _, exc in errors:
-            text = str(exc)
-            assert f"in {run_dir} failed and was not committed" in text
-            assert "no space left on device" in text.lower(), text
+        for _, exc in errors:  # the space of the step's file is refused before the library writes
+            failed = int(re.match(r"checkpoint of step (\d+)", str(exc))[1])
+            unit = os.path.join(run_dir, "steps", unit_name(failed, ".bp" if backend == "adios2" else ".h5"))
+            file = re.escape(unit + PARTIAL) + ("/(data|md|mmd)\\.(0|idx)" if backend == "adios2" else "")
+            assert re.fullmatch(
+                rf"checkpoint of step {failed} in {re.escape(run_dir)} failed and was not committed: OSError: "
+                rf"\[Errno 28\] cannot reserve \d+ bytes for {file}: No space left on device; no space left on "
+                r"device: free space, then write again \(committed steps are intact\)", str(exc)), str(exc)
+        assert_quiet(capfd.readouterr().err)
         committed = ckpt.steps()
         assert committed and committed == list(range(len(committed)))
         assert not any(e.endswith(".partial") for e in os.listdir(os.path.join(run_dir, "steps")))
@@ -94,3 +111,36 @@ def test_disk_full_is_reported_at_the_next_call_and_writing_resumes_after_freein
             assert again.restore(model=back).step == step + 2
             assert torch.equal(back.weight, model.weight)
         assert verify_run(run_dir) == []
+        assert_quiet(capfd.readouterr().err)
+
+
+def test_a_bp5_file_given_up_on_a_full_disk_is_closed_and_what_adios2_says_is_in_the_error(tmp_path, capfd):
+    """Its data refused, the file is still ended and closed (ADIOS2 writes, fails and prints
+    while it is given up): ADIOS2's words go into the error, none to stderr, and no space stays taken."""
+    from datastates_hist.backends import _adios2_capi as capi
+    from datastates_hist.backends.adios2_bp5 import WRITE_PARAMETERS
+
+    with small_file_system(str(tmp_path / "small"), size="2m") as fs:
+        unit = os.path.join(fs, "000000000000.bp.partial")
+        block = np.arange(1 << 17, dtype=np.float64)  # 1 MiB
+        adios = capi.Adios()
+        writer = capi.FileWriter(adios, unit, WRITE_PARAMETERS)
+        writer.define("w", block.dtype, block.shape)
+        writer.put("w", block.ctypes.data, (0,), block.shape)
+        with open(os.path.join(fs, "filler"), "wb") as f:  # 64 KiB left: the metadata fits, the data not
+            f.write(b"\0" * (free_bytes(fs) - (64 << 10)))
+        with pytest.raises(capi.Adios2Error) as failed:
+            writer.close()
+        text = str(failed.value)
+        ours = f"[Errno 28] cannot reserve {(1 << 20) + 8 + 4096} bytes for {unit}/data.0: No space left on device"
+        assert text.startswith(f"{ours} (ADIOS2, giving the file up: ") and text.endswith(")"), text
+        assert f"couldn't write to file {unit}/data.0 : errno = 28: No space left on device" in text, text
+        assert "\x1b" not in text and "\n" not in text
+        assert failed.value.__cause__.errno == errno.ENOSPC
+        assert adios.handle  # closed, so the context is finalized, not abandoned
+        adios.close()
+        assert capfd.readouterr().err == ""
+        assert os.path.getsize(os.path.join(unit, "data.0")) == 0
+        os.remove(os.path.join(fs, "filler"))
+        shutil.rmtree(unit)  # as the step's writer does: every byte comes back (no file left open)
+        assert free_bytes(fs) == 2 << 20

@@ -7,17 +7,29 @@ and reads run beside training at full speed (see docs/performance.md).
 
 Only the calls this package needs are bound. Every call is checked; a failure
 raises :class:`Adios2Error` naming the call and the file.
+
+ADIOS2 prints every failed call's error on stderr (from C++; its C bindings
+log it unconditionally, and no parameter or environment variable turns that
+off in 2.12) before it returns the error code. So a writer of its own file
+reserves the disk space of each step before ending it: a full disk fails in
+our ``OSError`` before ADIOS2 meets it. Closing a file given up is the one
+call made when an error is expected; what ADIOS2 prints then is kept and put
+into the exception (:func:`stderr_kept`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import os
 import threading
 from ctypes import POINTER, c_char_p, c_int, c_size_t, c_void_p
 
 import numpy as np
+
+from ._stderr import stderr_kept
+from .space import reserve_after_end, reserve_space, trim
 
 # enum values from adios2/c/adios2_c_types.h
 MODE_WRITE = 1
@@ -161,6 +173,7 @@ class Adios:
     def __init__(self, comm=None) -> None:
         """``comm``: an mpi4py communicator for collective files (collective call), or None."""
         self.lib = library()
+        self.serial = comm is None
         if comm is None:
             self.handle = self.lib.adios2_init_serial()
         else:
@@ -205,21 +218,54 @@ class Adios:
         self.handle = None
 
 
+# What a BP5 step adds to each file of a serial writer, at most (ADIOS2 2.12, measured
+# with 1 to 2000 variables, names of 50 and 200 characters, 1 to 20 blocks each):
+# each step's data starts 4096-aligned, blocks 8-aligned; md.0 holds ~56 bytes per
+# defined variable and ~30 per block; mmd.0 holds ~40 bytes plus the name of every
+# variable, all again whenever a step defines a new one; md.idx ~40 bytes.
+_PAGE = 4096
+_PER_ENTRY = 64
+# The profile BP5 writes on close whatever ``Profile`` says (ADIOS2 2.12), and whose
+# failed write on a full disk fails the close: a serial writer's goes to /dev/null.
+PROFILE = "profiling.json"
+_RESERVED = ("data.0", "md.0", "mmd.0", "md.idx")  # the files of a serial writer
+# Space a serial writer holds from before ADIOS2 opens its file until it closes it, and
+# frees to close a file given up: closing writes metadata, which a disk filled to the
+# last page would refuse (the context could then only be abandoned).
+ROOM, ROOM_BYTES = "closing-room", 64 << 10
+
+
 class FileWriter:
     """Writes one BP5 file holding one ADIOS2 step, variables put by pointer."""
 
     def __init__(self, adios: Adios, path: str, parameters: dict[str, str]):
         self.adios, self.lib, self.path = adios, adios.lib, path
+        if adios.serial:
+            try:
+                self._hold_room()
+            except OSError:  # a full disk: ADIOS2 has opened nothing yet, so its context goes too
+                adios.close()
+                raise
         self.io = adios.new_io("BP5", parameters)
         self.engine = self.lib.adios2_open(self.io, path.encode(), MODE_WRITE)
         if not self.engine:
             raise Adios2Error(f"ADIOS2 could not open {path} for writing")
+        if adios.serial:
+            try:
+                os.symlink(os.devnull, os.path.join(path, PROFILE))
+            except OSError:
+                pass  # the profile is written, as without the link
         status = c_int(0)
         rc = self.lib.adios2_begin_step(self.engine, STEP_MODE_APPEND, -1.0, ctypes.byref(status))
         adios.check(rc, "begin_step", path)
         self.variables: dict[str, int] = {}
         self.selected: dict[str, tuple] = {}  # each variable's selection: (start, count)
-        self.step_failed = False
+        self.step_failed = False  # ADIOS2 could not write a step
+        self.space_refused = False  # a step's space could not be reserved: it is still open
+        self.itemsizes: dict[str, int] = {}
+        self.names_bytes = 0  # what the names of all variables take in mmd.0
+        self.defined = False  # a variable defined in this ADIOS2 step
+        self.put_bytes = self.put_blocks = 0  # put in this ADIOS2 step
 
     def define(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
         """Declare a global array ``name`` of ``shape``; blocks are put with :meth:`put`."""
@@ -233,6 +279,9 @@ class FileWriter:
             raise Adios2Error(f"ADIOS2 could not define variable {name} in {self.path}")
         self.variables[name] = var
         self.selected[name] = ((0,) * len(shape), tuple(shape))  # what define selects
+        self.itemsizes[name] = dtype.itemsize
+        self.names_bytes += _PER_ENTRY + len(name.encode())
+        self.defined = True
 
     def put(self, name: str, pointer: int, start, count) -> None:
         """Put one block (``start``/``count`` in the global array) read from ``pointer``.
@@ -248,6 +297,8 @@ class FileWriter:
             self.selected[name] = box
         rc = self.lib.adios2_put(self.engine, var, c_void_p(pointer), MODE_DEFERRED)
         self.adios.check(rc, f"put of {name}", self.path)
+        self.put_bytes += math.prod(count) * self.itemsizes[name]
+        self.put_blocks += 1
 
     def perform_puts(self) -> None:
         """Copy every block put so far into ADIOS2's buffers; their memory may then be reused."""
@@ -262,34 +313,103 @@ class FileWriter:
         self.adios.check(rc, "begin_step", self.path)
 
     def _end_step(self, engine: int) -> None:
+        if self.adios.serial:  # a collective file's subfiles are ADIOS2's to assign
+            try:
+                self._reserve()
+            except OSError:
+                self.space_refused = True
+                raise
         rc = self.lib.adios2_end_step(engine)
         self.step_failed = rc != 0
         self.adios.check(rc, "end_step", self.path)
+        self.defined, self.put_bytes, self.put_blocks = False, 0, 0
+
+    def _reserve(self) -> None:
+        """Reserve what ending this ADIOS2 step writes into each file (OSError if the disk is full).
+
+        The metadata first: when the data's space is refused, closing the file still
+        writes a step's metadata (the whole step again if it is the file's first).
+        """
+        need = {
+            "md.0": _PAGE + _PER_ENTRY * (len(self.variables) + self.put_blocks),
+            "mmd.0": _PAGE + (self.names_bytes if self.defined else 0),
+            "md.idx": _PAGE,
+            "data.0": self.put_bytes + 8 * self.put_blocks + _PAGE,
+        }
+        for name, nbytes in need.items():
+            path = os.path.join(self.path, name)
+            if os.path.exists(path):
+                reserve_after_end(path, nbytes)
+
+    def _hold_room(self) -> None:
+        os.makedirs(self.path, exist_ok=True)
+        fd = os.open(os.path.join(self.path, ROOM), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            reserve_space(fd, 0, ROOM_BYTES, self.path)
+        finally:
+            os.close(fd)
+
+    def _free_room(self) -> None:
+        try:
+            os.remove(os.path.join(self.path, ROOM))
+        except FileNotFoundError:
+            pass  # a collective writer's, or freed already
+
+    def _files(self, prefix: str = "") -> list[str]:
+        names = os.listdir(self.path) if os.path.isdir(self.path) else []
+        return [os.path.join(self.path, name) for name in names if name.startswith(prefix)]
+
+    def _trim(self, empty: bool = False) -> None:
+        """Free the space reserved and not written, or (``empty``) all the files hold
+        (a collective file's files are still written by other ranks: never reserved)."""
+        if self.adios.serial:
+            for path in self._files():
+                if os.path.basename(path) not in _RESERVED:
+                    continue
+                if empty:
+                    os.truncate(path, 0)
+                else:
+                    trim(path)
 
     def close(self) -> None:
-        """End the step and close the file (writes the metadata).
+        """End the step and close the file (writes the metadata), then free the
+        space reserved and not used.
 
         If that fails (a full disk), or an earlier step failed, the file is
         given up: its data files are emptied, which frees their space, so that
         ADIOS2 can close it; if even that fails, the context is abandoned rather
-        than finalized (see :meth:`Adios.abandon`). The error is raised either way.
+        than finalized (see :meth:`Adios.abandon`), and what ADIOS2 printed is
+        added to the error, which is raised either way.
         """
         if not self.engine:
             return
         engine, self.engine = self.engine, None
         try:
-            if self.step_failed:  # ending it again would fail again, and ADIOS2 prints each failure
+            if self.step_failed or self.space_refused:  # ADIOS2 prints each failure: no second one
                 raise Adios2Error(f"ADIOS2 gave up {self.path}: a step of it could not be written")
             self._end_step(engine)
             self.adios.check(self.lib.adios2_close(engine), "close", self.path)
-        except (Adios2Error, OSError):
-            for name in os.listdir(self.path) if os.path.isdir(self.path) else []:
-                if name.startswith("data."):
-                    os.truncate(os.path.join(self.path, name), 0)
-            if self.lib.adios2_close(engine) != 0:
+        except (Adios2Error, OSError) as exc:
+            printed: list[str] = []
+            with stderr_kept(printed):  # the file is given up: what ADIOS2 prints now is this error's
+                if self.space_refused:
+                    # ended first, as a failed step is: closing would end it itself, and a
+                    # write failing there leaves the file unclosable (measured: the context
+                    # was abandoned in most cases of a full disk)
+                    self.lib.adios2_end_step(engine)
+                for path in self._files("data."):
+                    os.truncate(path, 0)
+                self._free_room()
+                closed = self.lib.adios2_close(engine) == 0
+            self._trim(empty=not closed)  # files left open hold no space at least
+            if not closed:
                 self.adios.abandon()
             ctypes.set_errno(0)
+            if printed[0]:
+                raise Adios2Error(f"{exc} (ADIOS2, giving the file up: {printed[0]})") from exc
             raise
+        self._free_room()
+        self._trim()
 
 
 class FileReader:

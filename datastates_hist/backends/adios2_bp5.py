@@ -38,9 +38,10 @@ SUFFIX = ".bp"
 # Measured choices (docs/performance.md): the flusher thread itself does the
 # I/O (ctypes drops the GIL), so no AsyncWrite.
 WRITE_PARAMETERS = {"AsyncWrite": "off", "StatsLevel": "0", "MinDeferredSize": "1"}
-# What a BP5 writer leaves in its folder on close although asked not to (ADIOS2 2.12):
-# removed, so a unit holds only what readers use. Older units may hold it.
-PROFILE = "profiling.json"
+# What a BP5 writer leaves in its folder on close although asked not to (ADIOS2 2.12;
+# a link to /dev/null for a writer of its own file): removed, so a unit holds only what
+# readers use. Older units may hold it.
+PROFILE = capi.PROFILE
 
 
 def _file_shape(shape: tuple[int, ...]) -> tuple[int, ...]:

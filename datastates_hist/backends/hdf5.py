@@ -13,8 +13,6 @@ appends new files. h5py releases the GIL inside its reads and writes.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import functools
 import math
 import os
@@ -23,6 +21,7 @@ import h5py
 import numpy as np
 
 from .base import Backend, StagedStepWriter
+from .space import reserve_space, trim
 from .step import StepReader
 
 MANIFEST = "__manifest__"
@@ -50,20 +49,6 @@ def _file_type(dtype: np.dtype):
 
 
 RESERVE_MARGIN = 64 << 10  # for the metadata of a dataset (and the file's, at the start)
-FALLOC_FL_KEEP_SIZE = 1  # the file's size stays what HDF5 writes; the space past it is freed at close
-_FALLOCATE_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-
-
-def reserve_space(fd: int, offset: int, nbytes: int) -> None:
-    """fallocate(2) ``nbytes`` at ``offset`` of ``fd``, keeping its size (ENOSPC raised as
-    OSError). A file system that cannot reserve space is left alone (posix_fallocate would
-    write zeros)."""
-    if _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, nbytes) != 0:
-        err = ctypes.get_errno()
-        if err not in _FALLOCATE_UNSUPPORTED:
-            raise OSError(err, f"cannot reserve {nbytes} bytes for an HDF5 step file: {os.strerror(err)}")
 
 
 def _box(start, count) -> tuple:
@@ -80,7 +65,11 @@ class HDF5StepWriter(StagedStepWriter):
         super().__init__(final)
         self.file = h5py.File(self.tmp, "w", libver="latest")
         self.reserved = 0
-        self._reserve(RESERVE_MARGIN)
+        try:
+            self._reserve(RESERVE_MARGIN)
+        except OSError:
+            self.file.close()  # else left open, holding its space, until collected
+            raise
         self.file.attrs["step"] = step
         self.datasets: dict[str, tuple[h5py.h5d.DatasetID, tuple]] = {}
 
@@ -88,7 +77,7 @@ class HDF5StepWriter(StagedStepWriter):
         """Allocate disk space for what is about to be written: the HDF5 library cannot
         recover from a write of its metadata that fails for want of space (closing the
         file then crashes it), so a full disk must fail here, in a clean OSError."""
-        reserve_space(self.file.id.get_vfd_handle(), self.reserved, nbytes)
+        reserve_space(self.file.id.get_vfd_handle(), self.reserved, nbytes, self.tmp)
         self.reserved += nbytes
 
     def define(self, name, dtype, shape, real_dtype, block=None):
@@ -124,7 +113,7 @@ class HDF5StepWriter(StagedStepWriter):
     def close_files(self):
         self.datasets.clear()
         self.file.close()
-        os.truncate(self.tmp, os.path.getsize(self.tmp))  # frees the space reserved past its end
+        trim(self.tmp)
 
 
 
