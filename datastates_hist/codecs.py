@@ -24,15 +24,18 @@ from __future__ import annotations
 
 import blosc2
 import numpy as np
+import xxhash
 
 from .dtypes import torch_dtype
 
 CHUNK_BYTES = 4 << 20
 LOSSY_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
-# Chunk flags in the chunk table.
+# Chunk flags in the chunk table: bit 0, stored raw (else compressed); bit 1, a delta of a
+# rounded tensor whose residual is shifted right by the bits rounding dropped (Encoder).
 COMPRESSED = 0
 STORED_RAW = 1
+SHIFTED = 2
 
 # Byte shuffle + zstd level 1: on a GPT's weights and AdamW state, level 3 is no smaller
 # and a third as fast, bit shuffle 5-13% larger (tools/bench_codecs.py --compare).
@@ -76,24 +79,46 @@ class _Residuals:
         np.subtract(predicted, base2, out=predicted)
         return predicted
 
-    def encode(self, x: np.ndarray, base: np.ndarray, base2: np.ndarray | None, out: np.ndarray) -> None:
-        """``out = zigzag(x - prediction)`` (all 1-D uint8 of one length)."""
+    def encode(self, x: np.ndarray, base: np.ndarray, base2: np.ndarray | None, out: np.ndarray,
+               drop: int = 0) -> bool:
+        """``out = zigzag(x - prediction)`` (all 1-D uint8 of one length). With ``drop``,
+        the difference is first shifted right by ``drop`` bits if they are zero in every
+        element (values rounded to fewer mantissa bits, and their prediction, end in
+        ``drop`` zero bits; a NaN's payload may not): whether it was."""
+        if not drop:
+            for x_, b1, b2, diff in self._blocks(x, base, base2, out):
+                np.subtract(x_, self._predict(b1, b2), out=diff)
+                self._zigzag(diff)
+            return False
+        low = 0
         for x_, b1, b2, diff in self._blocks(x, base, base2, out):
             np.subtract(x_, self._predict(b1, b2), out=diff)
+            low |= int(np.bitwise_or.reduce(diff)) & ((1 << drop) - 1)
+        shift = self.signed(0 if low else drop)
+        for (diff,) in self._blocks(out):
             signed = diff.view(self.signed)
-            sign = self._scratch[:diff.size].view(self.signed)
-            np.right_shift(signed, self.shift, out=sign)  # all ones where negative
-            np.left_shift(signed, 1, out=signed)
-            np.bitwise_xor(signed, sign, out=signed)
+            np.right_shift(signed, shift, out=signed)  # arithmetic: the sign is kept
+            self._zigzag(diff)
+        return not low
 
-    def decode(self, residual: np.ndarray, base: np.ndarray, base2: np.ndarray | None) -> None:
-        """Turn ``residual`` (decompressed, in place) back into the element bytes."""
+    def _zigzag(self, diff: np.ndarray) -> None:
+        signed = diff.view(self.signed)
+        sign = self._scratch[:diff.size].view(self.signed)
+        np.right_shift(signed, self.shift, out=sign)  # all ones where negative
+        np.left_shift(signed, 1, out=signed)
+        np.bitwise_xor(signed, sign, out=signed)
+
+    def decode(self, residual: np.ndarray, base: np.ndarray, base2: np.ndarray | None, shift: int = 0) -> None:
+        """Turn ``residual`` (decompressed, in place) back into the element bytes
+        (``shift``: the bits the encoder shifted the difference right by)."""
         for z, b1, b2 in self._blocks(residual, base, base2):
             negative = self._scratch[:z.size]
             np.bitwise_and(z, 1, out=negative)
             np.negative(negative, out=negative)  # 0 or all ones
             np.right_shift(z, 1, out=z)
             np.bitwise_xor(z, negative, out=z)
+            if shift:
+                np.left_shift(z, self.unsigned(shift), out=z)
             np.add(z, b1, out=z)
             if b2 is not None:  # z + 2*b1 - b2, without a second scratch
                 np.add(z, b1, out=z)
@@ -183,13 +208,17 @@ class Encoder:
     ``"bfloat16"``, ``"int64"``...): it gives the element size for the shuffle and tells
     whether an update ratio can be computed. With ``delta``, every piece is stored as its
     residual against the base's bytes at the same range (and, if given, the second
-    base's: the base's own base), which the caller passes to :meth:`add`.
+    base's: the base's own base), which the caller passes to :meth:`add`. ``drop``: a
+    delta of values rounded to fewer mantissa bits (whose bases were rounded alike) stores
+    its residual shifted right by the ``drop`` bits rounding made zero, chunk by chunk
+    where they are (flag :data:`SHIFTED`): the zigzag no longer spreads the sign over them.
     """
 
-    def __init__(self, dtype: str, delta: bool):
+    def __init__(self, dtype: str, delta: bool, drop: int = 0):
         self.dtype = dtype
         self.itemsize = torch_dtype(dtype).itemsize
         self.delta = delta
+        self.drop = drop if delta else 0
         self._cparams = blosc2.CParams(codec=blosc2.Codec.ZSTD, clevel=CLEVEL,
                                        typesize=self.itemsize, nthreads=1, filters=[SHUFFLE])
         self._stored: list[bytes] = []
@@ -216,6 +245,7 @@ class Encoder:
             raise ValueError("base given to an encoder without delta")
         for start in range(0, piece.size, CHUNK_BYTES):
             chunk = piece[start:start + CHUNK_BYTES]
+            flag = 0
             if self.delta:
                 base_chunk = base[start:start + CHUNK_BYTES]
                 if self._norms is not None:
@@ -223,19 +253,20 @@ class Encoder:
                 if self._residual_buf.size < chunk.size:
                     self._residual_buf = np.empty(chunk.size, np.uint8)
                 residual = self._residual_buf[: chunk.size]
-                self._residuals.encode(chunk, base_chunk, None if base2 is None else
-                                       base2[start:start + CHUNK_BYTES], residual)
+                if self._residuals.encode(chunk, base_chunk, None if base2 is None else
+                                          base2[start:start + CHUNK_BYTES], residual, self.drop):
+                    flag = SHIFTED
                 chunk = residual
-            self._add_chunk(chunk)
+            self._add_chunk(chunk, flag)
 
-    def _add_chunk(self, chunk: np.ndarray) -> None:
+    def _add_chunk(self, chunk: np.ndarray, shifted: int) -> None:
         compressed = blosc2.compress2(chunk, cparams=self._cparams)
         if len(compressed) < chunk.size:
             self._stored.append(compressed)
-            self._chunks.append([chunk.size, len(compressed), COMPRESSED])
+            self._chunks.append([chunk.size, len(compressed), COMPRESSED | shifted])
         else:
             self._stored.append(chunk.tobytes())
-            self._chunks.append([chunk.size, chunk.size, STORED_RAW])
+            self._chunks.append([chunk.size, chunk.size, STORED_RAW | shifted])
 
     def finish(self) -> tuple[np.ndarray, list[list[int]], float | None]:
         """``(blob, chunks, update_ratio)``: all chunks concatenated, the chunk table
@@ -250,9 +281,10 @@ class Encoder:
         return blob, self._chunks, ratio
 
 
-def check_chunks(chunks, raw_nbytes: int, stored_nbytes: int, itemsize: int) -> None:
+def check_chunks(chunks, raw_nbytes: int, stored_nbytes: int, itemsize: int, shifts: bool = False) -> None:
     """Raise ValueError unless ``chunks`` is a well-formed chunk table for a tensor of
-    ``raw_nbytes`` bytes, encoded as a blob of ``stored_nbytes`` bytes."""
+    ``raw_nbytes`` bytes, encoded as a blob of ``stored_nbytes`` bytes (``shifts``: a
+    delta of a rounded tensor, whose chunks may be :data:`SHIFTED`)."""
     if not isinstance(chunks, (list, tuple)):
         raise ValueError(f"chunk table must be a list, got {type(chunks).__name__}")
     raw_total = stored_total = 0
@@ -265,16 +297,18 @@ def check_chunks(chunks, raw_nbytes: int, stored_nbytes: int, itemsize: int) -> 
         if raw_len <= 0 or stored_len < 0:
             raise ValueError(f"chunk {i}: raw_len must be positive and stored_len "
                              f"non-negative, got {raw_len} and {stored_len}")
-        if flag not in (COMPRESSED, STORED_RAW):
-            raise ValueError(f"chunk {i}: flag must be 0 (compressed) or 1 (stored raw), got {flag}")
+        if flag not in ((COMPRESSED, STORED_RAW, SHIFTED, STORED_RAW | SHIFTED) if shifts
+                        else (COMPRESSED, STORED_RAW)):
+            raise ValueError(f"chunk {i}: flag must be 0 (compressed) or 1 (stored raw)"
+                             f"{', plus 2 (shifted)' if shifts else ''}, got {flag}")
         if raw_len > CHUNK_BYTES:
             raise ValueError(f"chunk {i}: raw_len {raw_len} exceeds the chunk size {CHUNK_BYTES}")
         if raw_len % itemsize:
             raise ValueError(f"chunk {i}: raw_len {raw_len} is not a multiple of the "
                              f"element size {itemsize}")
-        if flag == STORED_RAW and stored_len != raw_len:
+        if flag & STORED_RAW and stored_len != raw_len:
             raise ValueError(f"chunk {i}: stored raw but stored_len {stored_len} != raw_len {raw_len}")
-        if flag == COMPRESSED and not (blosc2.MIN_HEADER_LENGTH <= stored_len
+        if not flag & STORED_RAW and not (blosc2.MIN_HEADER_LENGTH <= stored_len
                                        <= raw_len + blosc2.MAX_OVERHEAD):
             raise ValueError(f"chunk {i}: compressed stored_len {stored_len} is impossible "
                              f"for raw_len {raw_len}")
@@ -287,21 +321,22 @@ def check_chunks(chunks, raw_nbytes: int, stored_nbytes: int, itemsize: int) -> 
 
 
 def decode(blob: np.ndarray, chunks: list[list[int]], itemsize: int, out: np.ndarray,
-           base: np.ndarray | None = None, base2: np.ndarray | None = None) -> None:
+           base: np.ndarray | None = None, base2: np.ndarray | None = None, drop: int = 0) -> None:
     """Decode ``blob`` into ``out`` (``sum(raw_len)`` bytes), adding back the prediction
-    from ``base`` (and ``base2``) for a delta. Raises ValueError on any inconsistency."""
+    from ``base`` (and ``base2``) for a delta (``drop``: the bits a :data:`SHIFTED` chunk's
+    residual was shifted by). Raises ValueError on any inconsistency."""
     _check_byte_array("blob", blob)
     _check_byte_array("out", out, writeable=True)
     if base2 is not None and base is None:
         raise ValueError("a second base without a first")
     _check_bases(base, base2, out.size, "the tensor")
     residuals = _Residuals(itemsize)
-    check_chunks(chunks, out.size, blob.size, itemsize)
+    check_chunks(chunks, out.size, blob.size, itemsize, shifts=bool(drop) and base is not None)
     src = dst = 0
     for i, (raw_len, stored_len, flag) in enumerate(chunks):
         stored = blob[src:src + stored_len]
         target = out[dst:dst + raw_len]
-        if flag == STORED_RAW:
+        if flag & STORED_RAW:
             np.copyto(target, stored)
         else:
             # The header's sizes must match the table before blosc2 acts on them.
@@ -315,7 +350,7 @@ def decode(blob: np.ndarray, chunks: list[list[int]], itemsize: int, out: np.nda
                 raise ValueError(f"chunk {i} does not decompress: {e}") from None
         if base is not None:
             residuals.decode(target, base[dst:dst + raw_len],
-                             None if base2 is None else base2[dst:dst + raw_len])
+                             None if base2 is None else base2[dst:dst + raw_len], drop if flag & SHIFTED else 0)
         src += stored_len
         dst += raw_len
 
@@ -343,27 +378,113 @@ def round_mantissa(array: np.ndarray, dtype: str, keep_bits: int) -> np.ndarray:
     ties to even. NaN and inf are unchanged; a finite value never rounds to inf (it is
     truncated instead)."""
     check_keep_bits(dtype, keep_bits)
-    bits_type = _BITS_TYPE[dtype]
     storage = np.dtype(np.uint16 if dtype in ("bfloat16", "float16") else dtype)
     if not isinstance(array, np.ndarray) or array.dtype != storage:
         got = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
         raise ValueError(f"{dtype} values must be given as a {storage} array, got {got}")
-    bits = array.view(bits_type)
-    drop = _MANTISSA_BITS[dtype] - keep_bits
-    if drop == 0:
-        return array.copy()
-    width = 8 * bits.itemsize
-    one = bits_type(1)
-    mantissa_bits = _MANTISSA_BITS[dtype]
-    exponent_mask = bits_type(((1 << (width - 1 - mantissa_bits)) - 1) << mantissa_bits)
-    keep_mask = bits_type(~((1 << drop) - 1) & ((1 << width) - 1))
-    # Adding half an ulp minus one, plus the lowest kept bit, rounds ties to even;
-    # a carry out of the mantissa correctly bumps the exponent.
-    lowest_kept = np.right_shift(bits, bits_type(drop)) & one
-    rounded = bits + bits_type((1 << (drop - 1)) - 1)
-    rounded += lowest_kept
-    rounded &= keep_mask
-    special = (bits & exponent_mask) == exponent_mask          # NaN and inf
-    overflowed = (rounded & exponent_mask) == exponent_mask    # finite rounded up to inf
-    result = np.where(special, bits, np.where(overflowed, bits & keep_mask, rounded))
-    return result.astype(bits_type, copy=False).view(storage).reshape(array.shape)
+    bits = np.ascontiguousarray(array).reshape(-1).view(_BITS_TYPE[dtype])
+    out = np.empty_like(bits)
+    _Rounder(dtype, keep_bits).round_into(bits, out)
+    return out.view(storage).reshape(array.shape)
+
+
+class _Rounder:
+    """:func:`round_mantissa` of 1-D bit patterns into a given array, block by block in
+    preallocated scratch (in place, numpy's integer ufuncs release the GIL)."""
+
+    BLOCK = 1 << 16  # elements per pass: the passes over a block stay in the CPU cache
+
+    def __init__(self, dtype: str, keep_bits: int):
+        t = self.bits_type = _BITS_TYPE[dtype]
+        width, mantissa = 8 * np.dtype(t).itemsize, _MANTISSA_BITS[dtype]
+        self.drop = t(mantissa - keep_bits)
+        self.exponent_mask = t(((1 << (width - 1 - mantissa)) - 1) << mantissa)
+        self.keep_mask = t(~((1 << int(self.drop)) - 1) & ((1 << width) - 1))
+        self.half_minus_one = t((1 << int(self.drop)) >> 1) - t(1) if self.drop else t(0)
+        self._scratch = np.empty(self.BLOCK, t)
+        self._special = np.empty(self.BLOCK, bool)
+        self._overflowed = np.empty(self.BLOCK, bool)
+
+    def round_into(self, bits: np.ndarray, out: np.ndarray) -> None:
+        if not self.drop:
+            np.copyto(out, bits)
+            return
+        one = self.bits_type(1)
+        for at in range(0, bits.size, self.BLOCK):
+            b, o = bits[at:at + self.BLOCK], out[at:at + self.BLOCK]
+            scratch, special, overflowed = (a[:b.size] for a in (self._scratch, self._special, self._overflowed))
+            np.bitwise_and(b, self.exponent_mask, out=scratch)
+            np.equal(scratch, self.exponent_mask, out=special)  # NaN and inf: kept as they are
+            # Adding half an ulp minus one, plus the lowest kept bit, rounds ties to even;
+            # a carry out of the mantissa correctly bumps the exponent.
+            np.right_shift(b, self.drop, out=scratch)
+            np.bitwise_and(scratch, one, out=scratch)
+            np.add(b, self.half_minus_one, out=o)
+            np.add(o, scratch, out=o)
+            np.bitwise_and(o, self.keep_mask, out=o)
+            np.bitwise_and(o, self.exponent_mask, out=scratch)
+            np.equal(scratch, self.exponent_mask, out=overflowed)  # a finite value rounded up to inf
+            if overflowed.any():
+                np.copyto(o, b & self.keep_mask, where=overflowed & ~special)  # truncated instead
+            if special.any():
+                np.copyto(o, b, where=special)
+
+
+# --- lossy trajectory points: a float tensor split into its rounded value and low bits -------
+
+def mantissa_bits(dtype: str) -> int | None:
+    """The explicit mantissa bits of float ``dtype``; None for a dtype never rounded."""
+    return _MANTISSA_BITS.get(dtype)
+
+
+class MantissaSplit:
+    """Splits a float tensor, piece by piece, into its value rounded to ``keep_bits``
+    mantissa bits (:func:`round_mantissa`), which the caller stores, and its *low bits*
+    ``bits(exact) XOR bits(rounded)``, compressed alone here (no delta: they are noise).
+    ``exact = rounded XOR low`` gives every bit back; :meth:`checksum` is the xxh3-64 of
+    the rounded bytes, what a reader of the rounded value gets back."""
+
+    def __init__(self, dtype: str, keep_bits: int):
+        check_keep_bits(dtype, keep_bits)
+        self.dtype, self.keep_bits = dtype, keep_bits
+        self._storage = np.dtype(np.uint16 if dtype in ("bfloat16", "float16") else dtype)
+        self.low = Encoder(dtype, delta=False)
+        self._hasher = xxhash.xxh3_64()
+        self._rounder = _Rounder(dtype, keep_bits)
+        self._rounded_buf = self._low_buf = np.empty(0, np.uint8)
+
+    def add(self, piece: np.ndarray) -> np.ndarray:
+        """The rounded bytes of ``piece`` (1-D uint8, whole elements), valid until the next
+        call; its low bits are encoded. ``piece`` is not modified."""
+        _check_byte_array("piece", piece)
+        if piece.size % self.low.itemsize:
+            raise ValueError(f"piece of {piece.size} bytes is not a whole number of "
+                             f"{self.low.itemsize}-byte {self.dtype} elements")
+        if self._low_buf.size < piece.size:
+            self._rounded_buf, self._low_buf = np.empty(piece.size, np.uint8), np.empty(piece.size, np.uint8)
+        rounded, low = self._rounded_buf[:piece.size], self._low_buf[:piece.size]
+        bits_type = self._rounder.bits_type
+        self._rounder.round_into(piece.view(bits_type), rounded.view(bits_type))
+        self._hasher.update(rounded)
+        np.bitwise_xor(piece, rounded, out=low)
+        self.low.add(low, None)
+        return rounded
+
+    def checksum(self) -> str:
+        return self._hasher.hexdigest()
+
+    def finish(self) -> tuple[np.ndarray, list[list[int]]]:
+        """``(blob, chunks)`` of the low bits (as :meth:`Encoder.finish`)."""
+        blob, chunks, _ = self.low.finish()
+        self._rounded_buf = self._low_buf = np.empty(0, np.uint8)
+        return blob, chunks
+
+
+def add_low_bits(rounded: np.ndarray, blob: np.ndarray, chunks: list[list[int]], itemsize: int) -> np.ndarray:
+    """The exact bytes (a new 1-D uint8 array) of a value stored as ``rounded`` (not
+    modified) and its low bits encoded as ``blob``/``chunks``. Raises ValueError on any
+    inconsistency of the blob (as :func:`decode`)."""
+    exact = np.empty(rounded.size, np.uint8)
+    decode(blob, chunks, itemsize, exact)
+    np.bitwise_xor(exact, rounded, out=exact)
+    return exact

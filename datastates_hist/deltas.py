@@ -9,7 +9,10 @@ step when nothing is removed while training; with a trajectory, the steps on
 its grid). The flusher keeps each tensor's two newest anchor values in memory,
 so encoding reads nothing back; an anchor step overwrites the older one piece
 by piece as it encodes. A chain of deltas is cut by a key every ``key_every``
-anchors, so reading any step decodes at most ``key_every`` stored values.
+anchors, so reading any step decodes at most ``key_every`` stored values. A tensor
+rounded to ``keep_bits`` (a lossy trajectory point) is encoded and anchored as its
+rounded value, so that a delta against it decodes from main units alone; its low bits
+are compressed beside it, for the restore unit.
 
 Anything uncertain forgets every anchor (the next step is a key): a failed
 step, a tensor whose size or dtype changed, a new Checkpointer.
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .codecs import Encoder
+from .codecs import Encoder, MantissaSplit, mantissa_bits
 from .items import DELTA, KEY
 
 
@@ -43,6 +46,9 @@ class Encoding:
     base2: _Anchor | None  # the base's base, for the extrapolation
     data: np.ndarray | None  # where this step's bytes go when it is an anchor
     pos: int = 0
+    # a tensor rounded to keep_bits: what is encoded (and anchored) is the rounded value,
+    # so that the main unit decodes alone; the low bits are encoded beside it
+    lossy: MantissaSplit | None = None
 
     @property
     def kind(self) -> str:
@@ -50,6 +56,8 @@ class Encoding:
 
     def add(self, piece: np.ndarray) -> None:
         """Encode the next piece (a 1-D uint8 view of the tensor's stored bytes)."""
+        if self.lossy is not None:
+            piece = self.lossy.add(piece)
         end = self.pos + piece.size
         base = None if self.base is None else self.base.data[self.pos:end]
         base2 = None if self.base2 is None else self.base2.data[self.pos:end]
@@ -67,9 +75,11 @@ class Anchors:
         self._anchors: dict[str, _Anchor] = {}
         self._pending: dict[str, _Anchor] = {}
 
-    def begin(self, name: str, dtype: str, nbytes: int, step: int, delta: bool, anchor: bool) -> Encoding:
+    def begin(self, name: str, dtype: str, nbytes: int, step: int, delta: bool, anchor: bool,
+              keep_bits: int | None = None) -> Encoding:
         """The encoding of tensor ``name`` at ``step``: ``delta`` if it may be a delta,
-        ``anchor`` if this step becomes its newest anchor."""
+        ``anchor`` if this step becomes its newest anchor, ``keep_bits`` if its value is
+        rounded (then its anchor holds the rounded value, what a reader decodes)."""
         base = self._anchors.get(name) if delta else None
         if base is not None and (base.dtype != dtype or base.data.size != nbytes or base.step >= step):
             base = None
@@ -84,7 +94,9 @@ class Anchors:
             # the new anchor's base keeps its own data, but no longer its base (never used again)
             kept = None if base is None else _Anchor(base.step, base.depth, base.dtype, base.data)
             self._pending[name] = _Anchor(step, depth, dtype, data, kept)
-        return Encoding(Encoder(dtype, delta=base is not None), base, base2, data)
+        lossy = None if keep_bits is None else MantissaSplit(dtype, keep_bits)
+        drop = 0 if keep_bits is None else mantissa_bits(dtype) - keep_bits
+        return Encoding(Encoder(dtype, delta=base is not None, drop=drop), base, base2, data, lossy=lossy)
 
     def committed(self) -> None:
         """The step whose encodings began since the last call is committed: its anchors count."""

@@ -3,7 +3,9 @@
 Runs on its own thread. For each piece it updates the tensor's checksum and
 statistics (unless the snapshot did, for host tensors) and either puts it to the
 step writer (by pointer, no copy) or, for a tensor to be encoded, compresses it
-(:mod:`.deltas`) and puts the tensor's encoded bytes once its last piece is in.
+(:mod:`.deltas`) and puts the tensor's encoded bytes once its last piece is in
+(a tensor rounded to ``keep_bits`` puts its rounded value in the main unit, its low
+bits in the restore unit).
 A restore point written as two units has a writer for each. The cache
 space is given back after the writer has written it out: when the snapshot
 asks for space, or when the step is finished. At the end of a checkpoint,
@@ -23,6 +25,7 @@ from typing import Callable
 import numpy as np
 
 from .cache import HostCache
+from .codecs import MantissaSplit, rounding_bound
 from .deltas import Anchors, Encoding
 from .digest import Digest
 from .dtypes import dtype_name, storage_dtype
@@ -133,10 +136,13 @@ class Flusher:
         step.digests[index] = piece.digest or Digest()
         nbytes = t.numel() * storage_dtype(t.dtype).itemsize
         plan = step.ckpt.plan
-        if plan is not None and plan.codec != RAW and nbytes and item.global_shape is None:
-            step.encodings[index] = self.anchors.begin(
-                item.name, dtype_name(t.dtype), nbytes, step.ckpt.step, plan.may_delta(item.name), plan.anchor)
-            return  # defined once its encoded size is known
+        if plan is not None and nbytes and item.global_shape is None:
+            dtype = dtype_name(t.dtype)
+            keep_bits = plan.keep_bits(item.name, dtype)
+            if plan.codec != RAW or keep_bits is not None:  # a rounded value is encoded, as a key at least
+                step.encodings[index] = self.anchors.begin(
+                    item.name, dtype, nbytes, step.ckpt.step, plan.may_delta(item.name), plan.anchor, keep_bits)
+                return  # defined once its encoded size is known
         block = {} if item.global_shape is None else {"block": (item.global_shape, item.offset)}
         step.writer(index).define(item.name, storage_dtype(t.dtype), tuple(t.shape), dtype_name(t.dtype), **block)
 
@@ -199,6 +205,22 @@ class Flusher:
             record.base = encoding.base.step
         if encoding.base2 is not None:
             record.base2 = encoding.base2.step
+        if encoding.lossy is not None:
+            self._put_low_bits(step, record, encoding.lossy)
+
+    def _put_low_bits(self, step: _Step, record: TensorRecord, lossy: MantissaSplit) -> None:
+        """A rounded tensor's low bits go to the restore unit, under its name; its record
+        says how it was rounded, and checks both values: ``checksum`` the rounded bytes
+        the main unit holds, ``exact_checksum`` the bytes written (the digest's)."""
+        blob, chunks = lossy.finish()
+        writer = step.writers["restore"]
+        writer.define(record.name, np.dtype(np.uint8), (blob.size,), "uint8")
+        writer.put(record.name, blob, (0,))
+        if not writer.writes_at_put:
+            self._hold(step, blob, blob.size, writer)
+        record.keep_bits, record.bound = lossy.keep_bits, rounding_bound(record.dtype, lossy.keep_bits)
+        record.exact_checksum, record.checksum = record.checksum, lossy.checksum()
+        record.low_stored, record.low_chunks = blob.size, chunks
 
     def _finish(self, step: _Step) -> None:
         ckpt = step.ckpt

@@ -47,13 +47,19 @@ class History:
 
     def tensors(self, step: int):
         """A pandas DataFrame of the tensors of ``step``: name, shape, dtype, nbytes, statistics,
-        and how each is stored (encoding, stored bytes, the update ratio of a delta)."""
+        and how each is stored (encoding, stored bytes, the update ratio of a delta; for a
+        tensor rounded to ``keep_bits`` in a trajectory point, the bits kept and the relative
+        error bound, NaN for exact tensors). The statistics are of the exact values."""
         import pandas as pd
 
-        columns = ["name", "shape", "dtype", "nbytes", *STAT_KEYS, "encoding", "stored", "update_ratio"]
+        columns = ["name", "shape", "dtype", "nbytes", *STAT_KEYS, "encoding", "stored", "update_ratio",
+                   "keep_bits", "bound"]
         rows = [{"name": r.name, "shape": tuple(r.shape), "dtype": r.dtype, "nbytes": r.nbytes,
                  **{k: r.stats.get(k, math.nan) for k in STAT_KEYS}, "encoding": r.encoding,
-                 "stored": r.stored_bytes, "update_ratio": math.nan if r.update_ratio is None else r.update_ratio}
+                 "stored": r.stored_bytes + (r.low_stored or 0),
+                 "update_ratio": math.nan if r.update_ratio is None else r.update_ratio,
+                 "keep_bits": math.nan if r.keep_bits is None else r.keep_bits,
+                 "bound": math.nan if r.bound is None else r.bound}
                 for r in self.store.records(step)]
         return pd.DataFrame(rows, columns=columns)
 
@@ -76,7 +82,10 @@ class History:
     def stats(self, name: str):
         """Per-step statistics of one tensor from the index, as a DataFrame indexed by step;
         ``update_ratio`` is ||x - x_base|| / ||x_base|| where the step stores a delta against
-        ``x_base`` (the step before, when every step is kept), NaN elsewhere."""
+        ``x_base`` (the step before, when every step is kept), NaN elsewhere. For a tensor
+        rounded to ``keep_bits`` (``Trajectory(keep_bits=...)``), norm, min, max and the other
+        statistics are those of its exact values, as written; the update ratio is that of
+        its rounded values, as stored."""
         import pandas as pd
 
         full = self.resolve(name)

@@ -22,7 +22,7 @@ from .errors import CorruptionError, FormatError, StoreNotFoundError
 from .items import TensorRecord, is_distribution
 from .layout import INDEX_FILE, PARTIAL, RANKS_SUFFIX, entry_path, finished_units, index_path, step_stem, steps_dir
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -50,6 +50,10 @@ CREATE TABLE IF NOT EXISTS tensors (
     base INTEGER,                    -- the step a delta is encoded against
     update_ratio REAL,               -- ||x - base|| / ||base|| of a delta of floats
     distribution TEXT,               -- JSON: a tensor of floats' values by sign and exponent
+    keep_bits INTEGER,               -- mantissa bits kept by a rounded tensor; NULL: exact
+    bound REAL,                      -- a rounded tensor's relative error bound, 2**-(keep_bits+1)
+    exact_checksum TEXT,             -- xxh3-64 of a rounded tensor's exact bytes (restore points)
+    low_stored INTEGER,              -- bytes of its low bits, in the restore unit (restore points)
     PRIMARY KEY (step, name)
 );
 CREATE TABLE IF NOT EXISTS scalars (
@@ -77,7 +81,10 @@ _GROWN_COLUMNS = {"scalars": ("step", "name", "value")}
 # Columns of ``tensors`` added since version 1 (an index written before lacks some: a writer
 # adds them, a reader reads their defaults), with what a row without them means.
 _TENSOR_V2 = (("part", "TEXT NOT NULL DEFAULT ''", "''"), ("stored", "INTEGER", "NULL"),
-              ("base", "INTEGER", "NULL"), ("update_ratio", "REAL", "NULL"), ("distribution", "TEXT", "NULL"))
+              ("base", "INTEGER", "NULL"), ("update_ratio", "REAL", "NULL"), ("distribution", "TEXT", "NULL"),
+              # version 3: tensors rounded to keep_bits (NULL: exact)
+              ("keep_bits", "INTEGER", "NULL"), ("bound", "REAL", "NULL"), ("exact_checksum", "TEXT", "NULL"),
+              ("low_stored", "INTEGER", "NULL"))
 
 STAT_KEYS = ("norm", "min", "max", "mean", "std", "nonfinite")
 # the per-step statistics of a tensor in the index: its summary, and a delta's update ratio
@@ -253,10 +260,11 @@ class Index:
                  row.tier, row.manifest_checksum),
             )
             self.conn.executemany(
-                "INSERT INTO tensors VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO tensors VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [(row.step, r.name, r.dtype, json.dumps(list(r.shape)), r.nbytes, r.checksum,
                   r.encoding, *(r.stats.get(k) for k in STAT_KEYS), r.part, r.stored, r.base,
-                  r.update_ratio, _json_or_null(r.distribution)) for r in records],
+                  r.update_ratio, _json_or_null(r.distribution), r.keep_bits, r.bound, r.exact_checksum,
+                  r.low_stored) for r in records],
             )
             if scalars is not None:
                 self._insert_scalars(row.step, scalars)
@@ -272,9 +280,14 @@ class Index:
 
     def demote_step(self, step: int) -> None:
         """Make restore point ``step`` a trajectory point: one transaction drops the rows
-        of its restore unit's tensors and says what is left."""
+        of its restore unit's tensors (and the low bits of its rounded tensors, with the
+        checksum of their exact bytes) and says what is left."""
         with self.conn:
             self.conn.execute("DELETE FROM tensors WHERE step=? AND part='restore'", (step,))
+            if "low_stored" in self._tensor_columns:
+                # a rounded tensor's low bits go with the restore unit: its rounded value is left
+                self.conn.execute("UPDATE tensors SET exact_checksum=NULL, low_stored=NULL"
+                                  " WHERE step=? AND low_stored IS NOT NULL", (step,))
             self.conn.execute(
                 "UPDATE steps SET tier='trajectory', nbytes=(SELECT COALESCE(SUM(nbytes), 0) FROM tensors"
                 " WHERE step=?), ntensors=(SELECT COUNT(*) FROM tensors WHERE step=?) WHERE step=?",
@@ -294,8 +307,11 @@ class Index:
         """``(step, group, encoding, nbytes, stored)`` for every step: its tensors' bytes
         summed by group (a name's first part with its ``/``: ``model/``, ``optim/``; ''
         for a name without one) and encoding, as they are and as stored (``stored`` of
-        an encoded tensor, else ``nbytes``, as in an index of version 1)."""
+        an encoded tensor, else ``nbytes``, as in an index of version 1; with the low bits
+        of a rounded tensor of a restore point, stored in its restore unit)."""
         stored = "COALESCE(stored, nbytes)" if "stored" in self._tensor_columns else "nbytes"
+        if "low_stored" in self._tensor_columns:
+            stored += " + COALESCE(low_stored, 0)"
         return self._read(f"SELECT step, substr(name, 1, instr(name, '/')), encoding, SUM(nbytes), SUM({stored})"
                           " FROM tensors GROUP BY 1, 2, 3 ORDER BY 1, 2, 3")
 
@@ -328,10 +344,11 @@ class Index:
                     "checksum": checksum, "encoding": encoding,
                     "stats": {k: v for k, v in zip(STAT_KEYS, stats) if v is not None},
                     "part": part, "stored": stored, "base": base, "update_ratio": ratio,
-                    "distribution": json.loads(distribution) if distribution is not None else None},
+                    "distribution": json.loads(distribution) if distribution is not None else None,
+                    "keep_bits": keep_bits, "bound": bound, "exact_checksum": exact, "low_stored": low_stored},
                     indexed=True)
                 for name, dtype, shape, nbytes, checksum, encoding, *stats, part, stored, base, ratio,
-                distribution in rows
+                distribution, keep_bits, bound, exact, low_stored in rows
             ]
         except ValueError as exc:  # a damaged or crafted row: named before its sizes are used
             raise CorruptionError(

@@ -71,6 +71,8 @@ class ValueItem:
 RAW, KEY, DELTA = "raw", "key", "delta"
 ENCODINGS = (RAW, KEY, DELTA)
 PARTS = ("", "restore")
+# the fields of a record (and of a manifest entry) of a tensor rounded to keep_bits
+LOSSY_KEYS = ("keep_bits", "bound", "exact_checksum", "low_stored", "low_chunks")
 
 
 @dataclass
@@ -97,6 +99,16 @@ class TensorRecord:
     update_ratio: float | None = None  # a delta of floats: ||x - base|| / ||base||
     # a tensor of floats: its values by sign and binary exponent (digest.distribution)
     distribution: dict | None = None
+    # a lossy trajectory tensor (docs/format.md, section 6): its main unit holds the value
+    # rounded to keep_bits mantissa bits (``checksum`` is of those bytes), relative error at
+    # most ``bound``; while the step is a restore point, its restore unit holds the low bits
+    # under the same name (``low_stored`` bytes in ``low_chunks``) and ``exact_checksum`` is
+    # of the exact bytes, rounded XOR low
+    keep_bits: int | None = None
+    bound: float | None = None
+    exact_checksum: str | None = None
+    low_stored: int | None = None
+    low_chunks: list[list[int]] | None = None
 
     def to_json(self) -> dict:
         doc = {
@@ -108,7 +120,7 @@ class TensorRecord:
             doc["global_shape"], doc["offset"] = list(self.global_shape), list(self.offset)
         if self.blocks is not None:
             doc["blocks"] = self.blocks
-        for key in ("stored", "base", "base2", "chunks", "update_ratio", "distribution"):
+        for key in ("stored", "base", "base2", "chunks", "update_ratio", "distribution", *LOSSY_KEYS):
             if getattr(self, key) is not None:
                 doc[key] = getattr(self, key)
         return doc
@@ -117,6 +129,29 @@ class TensorRecord:
     def stored_bytes(self) -> int:
         """The bytes the tensor takes in its unit."""
         return self.nbytes if self.stored is None else self.stored
+
+    @property
+    def dropped_bits(self) -> int:
+        """The mantissa bits rounding made zero (0 for an exact tensor): a delta's
+        residual chunks may be stored shifted right by as many (codecs.SHIFTED)."""
+        from .codecs import mantissa_bits
+
+        bits = mantissa_bits(self.dtype)
+        if bits is None or not _is_int(self.keep_bits) or not 0 < self.keep_bits <= bits:
+            return 0  # exact, or a record its checks refuse
+        return bits - self.keep_bits
+
+    @property
+    def has_low_bits(self) -> bool:
+        """Whether the exact value can be read: rounded, with its low bits in the restore unit."""
+        return self.low_stored is not None
+
+    def without_low_bits(self) -> "TensorRecord":
+        """The record as a trajectory point holds it: a lossy tensor's low bits (and the
+        checksum of its exact bytes) are gone with the restore unit."""
+        if self.keep_bits is not None:
+            self.exact_checksum = self.low_stored = self.low_chunks = None
+        return self
 
     @classmethod
     def from_json(cls, data: dict, indexed: bool = False) -> "TensorRecord":
@@ -137,6 +172,7 @@ class TensorRecord:
                 base2=data.get("base2"),
                 chunks=data.get("chunks"), update_ratio=data.get("update_ratio"),
                 distribution=data.get("distribution"),
+                **{key: data.get(key) for key in LOSSY_KEYS},
             )
         except KeyError as exc:
             raise ValueError(f"the record of tensor {data.get('name')!r} has no {exc.args[0]!r}") from None
@@ -180,6 +216,37 @@ class TensorRecord:
             self._check_blocks()
         if self.distribution is not None and not is_distribution(self.distribution):
             raise ValueError(f"tensor {name!r} has a malformed distribution: {str(self.distribution)[:200]}")
+        if any(getattr(self, key) is not None for key in LOSSY_KEYS):
+            self._check_lossy(itemsize, indexed)
+
+    def _check_lossy(self, itemsize: int, indexed: bool) -> None:
+        """A lossy tensor: kept bits its dtype has, the bound they give, an encoded main
+        value; low bits (if any) with the exact checksum and, in a manifest, their chunks."""
+        from .codecs import check_chunks, check_keep_bits, rounding_bound
+
+        name = self.name
+        try:
+            check_keep_bits(self.dtype, self.keep_bits)
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r} is rounded: {exc}") from None
+        if self.bound != rounding_bound(self.dtype, self.keep_bits):
+            raise ValueError(f"tensor {name!r} keeps {self.keep_bits} mantissa bits, whose bound is "
+                             f"{rounding_bound(self.dtype, self.keep_bits)!r}, but records {self.bound!r}")
+        if self.encoding == RAW or self.part != "":
+            raise ValueError(f"tensor {name!r} is rounded, but stored {self.encoding} in the unit "
+                             f"{self.part!r}: a writer rounds only encoded tensors of the main unit")
+        low = (self.exact_checksum, self.low_stored, self.low_chunks)
+        if self.low_stored is None and self.exact_checksum is None and self.low_chunks is None:
+            return
+        if not (isinstance(self.exact_checksum, str) and self.exact_checksum and _is_int(self.low_stored)
+                and self.low_stored >= 0 and (indexed or self.low_chunks is not None)):
+            raise ValueError(f"tensor {name!r} is rounded with low bits {str(low)[:200]}: they need "
+                             "exact_checksum, low_stored and (in a manifest) low_chunks")
+        if not indexed:
+            try:
+                check_chunks(self.low_chunks, self.nbytes, self.low_stored, itemsize)
+            except ValueError as exc:
+                raise ValueError(f"tensor {name!r} (its low bits): {exc}") from None
 
     def _check_encoded(self, itemsize: int, indexed: bool) -> None:
         name = self.name
@@ -198,7 +265,8 @@ class TensorRecord:
             from .codecs import check_chunks
 
             try:
-                check_chunks(self.chunks, self.nbytes, self.stored, itemsize)
+                check_chunks(self.chunks, self.nbytes, self.stored, itemsize,
+                             shifts=self.encoding == DELTA and bool(self.dropped_bits))
             except ValueError as exc:
                 raise ValueError(f"tensor {name!r}: {exc}") from None
 

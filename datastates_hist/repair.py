@@ -37,7 +37,11 @@ Its row is a restore point (tier ``restore``, the tensors of both units) when
 both are intact; a trajectory point (``trajectory``, the main unit's tensors)
 when its restore unit is gone (a demotion cut short after the index changed,
 or a deleted unit) or cannot be committed; a main unit that names no restore
-unit is a ``full`` step. Units are read in step order: a tensor stored as a
+unit is a ``full`` step. A tensor rounded to ``keep_bits`` keeps the checksum
+of its exact bytes and the size of its low bits (``exact_checksum``,
+``low_stored``) in a restore point's row, and drops them in a trajectory
+point's, as a demotion does; its low bits are checked with the restore unit.
+Units are read in step order: a tensor stored as a
 delta is decoded against its base (the same tensor at an earlier step), served
 from the units this repair has already accepted; a delta whose base step has
 no accepted unit makes its unit damaged.
@@ -292,6 +296,8 @@ def _commit_units(run_dir: str, index: Index, units: list[str], backends, old_ti
                 raise
             except Exception as exc:
                 bad.append((restore, str(exc)))
+        if row.tier != "restore":  # without its restore unit, a rounded tensor is its rounded value
+            records = [r.without_low_bits() for r in records]
         bases.accept(row, records)
         index.commit_step(row, records, scalars)
     bad += [(unit, f"a restore unit whose main unit {main} is missing") for main, unit in restores.items()]
@@ -455,8 +461,8 @@ def _read_restore_unit(run_dir: str, row: StepRow, unit: str, checksum: str, ver
         records = [r for r in data.records.values() if r.part == "restore"]
         bases.check(row.step, records)
         if verify:
-            for rec in records:
-                data.read(rec.name)  # raises CorruptionError naming the tensor
+            for rec in records + [r for r in data.records.values() if r.has_low_bits]:
+                data.read(rec.name)  # raises CorruptionError naming the tensor (a rounded one: its exact value)
         return records
 
 

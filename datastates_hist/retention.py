@@ -101,18 +101,39 @@ def check_policy(keep) -> Policy | None:
 class Trajectory:
     """What a step keeps once it is no longer a restore point: the tensors whose
     names match ``patterns`` (globs, as ``"model/*"``), on the steps divisible by
-    ``every``."""
+    ``every``.
+
+    ``keep_bits``: trajectory points keep their floating-point tensors (float32,
+    float64, float16, bfloat16) rounded to this many explicit mantissa bits (to
+    nearest, ties to even: relative error at most ``2**-(keep_bits + 1)`` on normal
+    numbers; NaN, infinities and zeros kept), which compresses them several times
+    better. Restore points stay exact: the low bits are kept in the step's restore
+    unit until the step becomes a trajectory point. A tensor whose dtype has fewer
+    mantissa bits (bfloat16 keeps 7), and tensors of other dtypes, are kept exact.
+    The statistics (``h.stats``) are those of the exact values. Needs ``keep=``."""
 
     patterns: tuple[str, ...] = ("model/*",)
     every: int = 1
+    keep_bits: int | None = None
 
-    def __init__(self, *patterns: str, every: int = 1):
+    def __init__(self, *patterns: str, every: int = 1, keep_bits: int | None = None):
         patterns = patterns or ("model/*",)
         for p in patterns:
             if not isinstance(p, str) or not p:
                 raise TypeError(f"Trajectory needs name patterns (strings such as 'model/*'), got {p!r}")
         object.__setattr__(self, "patterns", tuple(patterns))
         object.__setattr__(self, "every", _count(every, "Trajectory(every=...)"))
+        object.__setattr__(self, "keep_bits", _keep_bits(keep_bits))
+
+    def rounds(self, name: str, dtype: str, step: int) -> int | None:
+        """The mantissa bits tensor ``name`` of ``dtype`` keeps at ``step`` once a
+        trajectory point, or None when it stays exact."""
+        if self.keep_bits is None or not self.on_grid(step) or not self.holds(name):
+            return None
+        from .codecs import mantissa_bits  # here: numpy and torch only where tensors are written
+
+        bits = mantissa_bits(dtype)
+        return self.keep_bits if bits is not None and self.keep_bits <= bits else None
 
     def holds(self, name: str) -> bool:
         """Whether tensor ``name`` is part of the trajectory."""
@@ -129,6 +150,19 @@ class Trajectory:
                              f"(its tensors: {shown})")
 
 
+# the longest explicit mantissa of a dtype rounded (float64's; codecs.MAX_KEEP_BITS)
+MAX_KEEP_BITS = 52
+
+
+def _keep_bits(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_KEEP_BITS:
+        raise ValueError(f"Trajectory(keep_bits=...) needs a whole number of mantissa bits from 1 to "
+                         f"{MAX_KEEP_BITS} (float32 has 23, bfloat16 7), got {value!r}")
+    return value
+
+
 def check_trajectory(trajectory) -> Trajectory | None:
     if trajectory is None or isinstance(trajectory, Trajectory):
         return trajectory
@@ -142,6 +176,13 @@ class Retention:
 
     keep: Policy | None = None
     trajectory: Trajectory | None = None
+
+    def __post_init__(self):
+        if self.keep is None and self.trajectory is not None and self.trajectory.keep_bits is not None:
+            raise ValueError(
+                f"Trajectory(keep_bits={self.trajectory.keep_bits}) rounds the steps that become trajectory "
+                "points, but without keep= every step stays an exact restore point: pass keep= "
+                "(dh.KeepLast(2) | dh.KeepEvery(1000), say) or leave keep_bits out")
 
     @property
     def split(self) -> bool:
@@ -241,6 +282,15 @@ class StepPlan:
 
     def may_delta(self, name: str) -> bool:
         return self.codec == DELTA and self.retention.may_delta(name)
+
+    def keep_bits(self, name: str, dtype: str) -> int | None:
+        """The mantissa bits tensor ``name`` keeps in the main unit (its low bits go to
+        the restore unit), or None: stored exact. Only a step of two units on the
+        trajectory's grid is rounded (off the grid, a restore point is removed, never
+        demoted)."""
+        if not self.retention.split:
+            return None
+        return self.retention.trajectory.rounds(name, dtype, self.step)
 
 
 def key_every_count(key_every) -> int:

@@ -23,7 +23,7 @@ from .cache import aligned
 from .digest import checksum_bytes
 from .dtypes import dtype_name, storage_dtype, storage_torch_dtype, torch_dtype
 from .errors import CorruptionError, StepNotFoundError
-from .codecs import decode
+from .codecs import add_low_bits, decode
 from .index import StepRow, open_existing, unit_path
 from .items import TensorRecord
 from .layout import restore_unit, steps_dir, unit_bytes
@@ -127,6 +127,9 @@ class StepData:
             self.records = {r.name: r for r in map(TensorRecord.from_json, doc["tensors"])}
             if restore_reader is not None:
                 self._add_restore_unit(restore_reader, doc)
+            else:  # a trajectory point (or a main unit read alone): rounded tensors as rounded
+                for rec in self.records.values():
+                    rec.without_low_bits()
             # the objects whose tensors lie (or lay) in the restore unit: a trajectory point lacks them
             self.restore_objects: list[str] = list(doc.get("restore_unit", {}).get("objects", []))
             self.values: dict[str, Any] = doc["values"]
@@ -173,15 +176,17 @@ class StepData:
         than the unit holds is damaged, and is refused before memory is allocated for it."""
         main = unit_path(self.run_dir, self.row)
         for part, path in (("", main), ("restore", os.path.join(os.path.dirname(main), restore_unit(self.row.location)))):
-            declared = [r for r in self.records.values() if r.part == part]
+            declared = [(r, r.stored_bytes) for r in self.records.values() if r.part == part]
+            if part == "restore":  # the low bits of rounded tensors lie there too
+                declared += [(r, r.low_stored) for r in self.records.values() if r.has_low_bits]
             if not declared:
                 continue
             stored = unit_bytes(path)
-            for rec in declared:
-                if rec.stored_bytes > stored:
-                    raise ValueError(f"tensor {rec.name!r} declares {rec.stored_bytes} bytes, more than the "
+            for rec, nbytes in declared:
+                if nbytes > stored:
+                    raise ValueError(f"tensor {rec.name!r} declares {nbytes} bytes, more than the "
                                      f"{stored} bytes of the step's data")
-            total = sum(r.stored_bytes for r in declared)
+            total = sum(nbytes for _, nbytes in declared)
             if total > stored:
                 raise ValueError(f"its {len(declared)} tensors declare {total} bytes in all, more than the "
                                  f"{stored} bytes of the step's data")
@@ -279,7 +284,7 @@ class StepData:
         """The box's stored bytes, as an array of the storage dtype, assembled from its blocks."""
         sdtype = storage_dtype(torch_dtype(rec.dtype))
         if rec.encoding != "raw" and math.prod(rec.shape):
-            whole = self.decoded(rec).view(sdtype).reshape(rec.shape)
+            whole = self.value(rec).view(sdtype).reshape(rec.shape)
             return whole[tuple(slice(s, s + c) for s, c in zip(start, count)) + (...,)].copy()
         out = np.empty(count, dtype=sdtype)
         if not out.size:
@@ -314,6 +319,24 @@ class StepData:
             return self.decoded(rec)
         return self._read(rec, (0,) * len(rec.shape), rec.shape, True).reshape(-1).view(np.uint8)
 
+    def value(self, rec: TensorRecord) -> np.ndarray:
+        """The bytes (1-D uint8) a reader gets of encoded tensor ``rec``: decoded, and for a
+        rounded tensor of a restore point its exact bytes (rounded XOR its low bits, read
+        from the restore unit and checked against ``exact_checksum``)."""
+        rounded = self.decoded(rec)
+        if not rec.has_low_bits:
+            return rounded
+        blob = np.empty(rec.low_stored, np.uint8)
+        if rec.low_stored:
+            self.readers["restore"].read(rec.name, blob, (0,))
+        try:
+            exact = add_low_bits(rounded, blob, rec.low_chunks, storage_dtype(torch_dtype(rec.dtype)).itemsize)
+        except ValueError as exc:
+            raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir}: its low bits "
+                                  f"cannot be decoded: {exc}: the restore unit is damaged") from None
+        self._check(rec, exact, rec.exact_checksum, " (its exact value, with its low bits)")
+        return exact
+
     def decoded(self, rec: TensorRecord) -> np.ndarray:
         """The stored bytes (1-D uint8) of encoded tensor ``rec``: its chunks read and
         decompressed, added to the prediction from its bases for a delta, and checked
@@ -329,7 +352,8 @@ class StepData:
         if rec.stored:
             self.readers[rec.part].read(rec.name, blob, (0,))
         try:
-            decode(blob, rec.chunks, storage_dtype(torch_dtype(rec.dtype)).itemsize, out, *bases)
+            decode(blob, rec.chunks, storage_dtype(torch_dtype(rec.dtype)).itemsize, out, *bases,
+                   drop=rec.dropped_bits)
         except ValueError as exc:
             raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} cannot be "
                                   f"decoded: {exc}: the stored data is damaged") from None

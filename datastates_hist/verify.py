@@ -7,8 +7,11 @@ manifest, then reads every tensor and recomputes its xxh3-64 checksum. A
 restore point's records are those of both its units, a trajectory point's those
 of its main unit. An encoded tensor is decoded (a delta against its base, read
 through the :class:`Store`) and its checksum is that of the decoded bytes; a
-delta whose base cannot be read is reported with the base's step. It never
-stops at the first problem: every damaged step and tensor is reported.
+delta whose base cannot be read is reported with the base's step. A tensor
+rounded to ``keep_bits`` is checked as its rounded value (its checksum), and in a
+restore point also as its exact value, with its low bits from the restore unit
+(its exact checksum). It never stops at the first problem: every damaged step
+and tensor is reported.
 """
 
 from __future__ import annotations
@@ -169,7 +172,9 @@ def _same_record(a, b) -> bool:
                      for k in a.stats.keys() | b.stats.keys())
     return ((a.name, a.dtype, tuple(a.shape), a.nbytes, a.checksum, a.encoding, a.part, a.stored, a.base)
             == (b.name, b.dtype, tuple(b.shape), b.nbytes, b.checksum, b.encoding, b.part, b.stored, b.base)
-            and same_stats and _same_number(a.update_ratio, b.update_ratio))
+            and same_stats and _same_number(a.update_ratio, b.update_ratio)
+            and (a.keep_bits, a.bound, a.exact_checksum, a.low_stored)
+            == (b.keep_bits, b.bound, b.exact_checksum, b.low_stored))
 
 
 def _same_number(x, y) -> bool:

@@ -162,7 +162,7 @@ def history_policies(args) -> dict:
     if args.keep_all:
         return {}
     return {"keep": dh.KeepLast(args.keep_last) | dh.KeepEvery(args.keep_every),
-            "trajectory": dh.Trajectory("model/*", every=args.trajectory_every)}
+            "trajectory": dh.Trajectory("model/*", every=args.trajectory_every, keep_bits=args.keep_bits)}
 
 
 def train(args) -> dict:
@@ -254,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-every", type=int, default=1000, help="... and every K-th step")
     p.add_argument("--trajectory-every", type=int, default=1,
                    help="other steps keep the model's weights every N steps")
+    p.add_argument("--keep-bits", type=int, default=None, metavar="N",
+                   help="trajectory points keep the weights rounded to N mantissa bits (lossy; default: exact)")
     p.add_argument("--keep-all", action="store_true", help="keep every step as a restore point")
     p.add_argument("--codec", choices=["delta", "key", "raw"], default="delta")
     p.add_argument("--log-every", type=int, default=10)
@@ -264,7 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     """Parse ``argv`` and train."""
-    return train(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.keep_bits is not None and args.keep_all:
+        parser.error("--keep-bits rounds trajectory points, and --keep-all keeps none")
+    return train(args)
 
 
 if __name__ == "__main__":

@@ -402,3 +402,60 @@ def test_the_residual_is_the_zigzag_of_the_difference_from_the_extrapolation(dty
     out = np.empty(x.nbytes, np.uint8)
     decode(blob, chunks, x.itemsize, out, b1.view(np.uint8), b2.view(np.uint8))
     assert out.view(np_type).tolist() == x.tolist()
+
+
+def _rounded_steps(keep_bits: int, dtype: str = "float32"):
+    """Three consecutive Adam steps of a layer's weights, rounded to ``keep_bits`` bits."""
+    w = [_stored(x, dtype) for x in (_adam_weights(4)[0], PREVIOUS, CURRENT)]
+    storage = np.uint16 if dtype in ("bfloat16", "float16") else np.dtype(dtype)
+    return [codecs.round_mantissa(x.view(storage), dtype, keep_bits).view(np.uint8).reshape(-1) for x in w]
+
+
+@pytest.mark.parametrize("dtype, keep_bits", [("float32", 8), ("float32", 1), ("float64", 20), ("float16", 4)])
+def test_a_delta_of_rounded_values_is_shifted_by_the_dropped_bits_and_round_trips(dtype, keep_bits):
+    """docs/format.md: the residual of a rounded tensor's delta is stored shifted right by
+    the mantissa bits rounding dropped; it is smaller than unshifted, and decodes exactly."""
+    b2, b1, x = _rounded_steps(keep_bits, dtype)
+    drop = codecs.mantissa_bits(dtype) - keep_bits
+    sizes = {}
+    for d in (0, drop):
+        encoder = Encoder(dtype, delta=True, drop=d)
+        encoder.add(x, b1, b2)
+        blob, chunks, _ = encoder.finish()
+        assert all(bool(c[2] & codecs.SHIFTED) == bool(d) for c in chunks), chunks
+        out = np.empty(x.size, np.uint8)
+        decode(blob, chunks, torch_dtype(dtype).itemsize, out, b1, b2, drop=drop)
+        assert np.array_equal(out, x)
+        sizes[d] = blob.size
+    assert sizes[drop] < sizes[0], sizes
+
+
+def test_a_chunk_whose_low_bits_are_not_zero_is_stored_unshifted():
+    """A NaN keeps its payload when rounded: its chunk is stored as it is, the others shifted."""
+    b2, b1, x = _rounded_steps(8)
+    x = np.tile(x, 1 + 2 * CHUNK_BYTES // x.size)[: 2 * CHUNK_BYTES]
+    b1 = np.tile(b1, 1 + 2 * CHUNK_BYTES // b1.size)[: 2 * CHUNK_BYTES]
+    b2 = np.tile(b2, 1 + 2 * CHUNK_BYTES // b2.size)[: 2 * CHUNK_BYTES]
+    x.view(np.uint32)[CHUNK_BYTES // 4 + 3] = 0x7FC00001  # a NaN with a payload in the dropped bits
+    encoder = Encoder("float32", delta=True, drop=15)
+    encoder.add(x, b1, b2)
+    blob, chunks, _ = encoder.finish()
+    assert [c[2] & codecs.SHIFTED for c in chunks] == [codecs.SHIFTED, 0]
+    out = np.empty(x.size, np.uint8)
+    decode(blob, chunks, 4, out, b1, b2, drop=15)
+    assert np.array_equal(out, x)
+
+
+def test_a_shifted_chunk_is_refused_where_nothing_was_rounded():
+    b2, b1, x = _rounded_steps(8)
+    encoder = Encoder("float32", delta=True, drop=15)
+    encoder.add(x, b1, b2)
+    blob, chunks, _ = encoder.finish()
+    out = np.empty(x.size, np.uint8)
+    with pytest.raises(ValueError, match=r"^chunk 0: flag must be 0 \(compressed\) or 1 \(stored raw\), got 2$"):
+        decode(blob, chunks, 4, out, b1, b2)
+    with pytest.raises(ValueError, match=r"^chunk 0: flag must be 0 \(compressed\) or 1 \(stored raw\), got 2$"):
+        decode(blob, chunks, 4, out, drop=15)  # a key is never shifted
+    with pytest.raises(ValueError, match=r"^chunk 0: flag must be 0 \(compressed\) or 1 \(stored raw\), "
+                                         r"plus 2 \(shifted\), got 6$"):
+        decode(blob, [[chunks[0][0], chunks[0][1], 6]], 4, out, b1, b2, drop=15)

@@ -4,7 +4,9 @@ The tensor bytes of every committed step, as stored and as they are (raw), with
 the ratio stored/raw: by kind of step (restore points, trajectory points), by
 tensor group (``model/``, ``optim/``, the rest) and by encoding (raw, key,
 delta); then the total and the bytes the step units take on disk (the rest of
-which is metadata: manifests, the backend's own). Reads only the index and the
+which is metadata: manifests, the backend's own). A tensor rounded to
+``keep_bits`` counts its rounded value and, in a restore point, its low bits
+(kept in the restore unit) as its stored bytes. Reads only the index and the
 sizes of the units (no tensor reader, no torch).
 """
 

@@ -2,7 +2,11 @@
 
 Per tensor: its shape, dtype, how it is stored (``raw``, ``key``: compressed alone,
 ``delta<-B``: against its value at step B), its bytes as they are and as stored,
-and its norm (the table leaves min and max, in ``--json``, to fit 80 columns).
+and its norm (the table leaves min and max, in ``--json``, to fit 80 columns). A
+step with tensors rounded to ``keep_bits`` (lossy trajectory points) adds, per
+tensor, the mantissa bits kept (``exact`` for the others) and the relative error
+bound, ``2**-(bits+1)``; the stored bytes of a restore point's rounded tensor count
+its low bits, kept in the restore unit.
 """
 
 from __future__ import annotations
@@ -37,13 +41,23 @@ def run(args) -> int:
             raise KeyError(f"no tensor of step {step} of {args.run} matches {', '.join(unmatched)}")
         records = [r for r in records if matches(r.name, args.names)]
     data = [{"name": r.name, "shape": list(r.shape), "dtype": r.dtype, "nbytes": r.nbytes,
-             "encoding": r.encoding, "base": r.base, "stored": r.stored_bytes, "update_ratio": r.update_ratio,
-             "checksum": r.checksum, **r.stats} for r in records]
+             "encoding": r.encoding, "base": r.base, "stored": stored(r), "update_ratio": r.update_ratio,
+             "checksum": r.checksum, "keep_bits": r.keep_bits, "bound": r.bound,
+             "exact_checksum": r.exact_checksum, "low_stored": r.low_stored, **r.stats} for r in records]
+    columns = ["name", "shape", "dtype", "encoding", "nbytes", "stored", "norm"]
     table = [[r.name, "x".join(map(str, r.shape)) or "()", r.dtype, encoding(r), size(r.nbytes),
-              size(r.stored_bytes), r.stats.get("norm")] for r in records]
-    emit(args, ["name", "shape", "dtype", "encoding", "nbytes", "stored", "norm"], table, data,
-         left=("name", "dtype", "encoding"))
+              size(stored(r)), r.stats.get("norm")] for r in records]
+    if any(r.keep_bits is not None for r in records):  # a step with rounded tensors says how
+        columns += ["bits", "bound"]
+        for row, r in zip(table, records):
+            row += [r.keep_bits, r.bound] if r.keep_bits is not None else ["exact", ""]
+    emit(args, columns, table, data, left=("name", "dtype", "encoding"))
     return 0
+
+
+def stored(rec) -> int:
+    """The bytes a tensor takes: in its unit, and its low bits in the restore unit."""
+    return rec.stored_bytes + (rec.low_stored or 0)
 
 
 def encoding(rec) -> str:

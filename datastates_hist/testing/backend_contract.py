@@ -454,6 +454,36 @@ class BackendContract:
                 assert bits(v) == bits(weights[4][f"model/{k}"]), k
             assert other_opt.state_dict()["state"] == {}  # nothing of it was stored at step 4
 
+    def test_lossy_trajectory_points_and_exact_restore_points(self, run_dir, backend):
+        """Trajectory(keep_bits=8): trajectory points hold the weights rounded to nearest
+        even at 8 mantissa bits; restore points read and restore exact."""
+        from ..codecs import round_mantissa
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        opt = torch.optim.Adam(model.parameters())
+        weights = {}
+        with dh.Checkpointer(run_dir, backend=backend, keep=dh.KeepLast(2),
+                             trajectory=dh.Trajectory("model/*", keep_bits=8)) as ckpt:
+            for step in range(5):
+                model(torch.randn(2, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                weights[step] = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
+                ckpt.write(step, model, opt)
+        with dh.open(run_dir) as h:
+            assert h.restore_points == [3, 4]
+            for step, tensors in weights.items():
+                for name, t in tensors.items():
+                    want = t if step >= 3 else torch.from_numpy(round_mantissa(t.numpy(), "float32", 8))
+                    assert bits(h.read(name, step)) == bits(want), (step, name)
+        fresh = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        with dh.Checkpointer(run_dir) as ckpt:
+            assert ckpt.restore(model=fresh, optimizer=torch.optim.Adam(fresh.parameters())).step == 4
+        for k, v in fresh.state_dict().items():
+            assert bits(v) == bits(weights[4][f"model/{k}"]), k
+        assert verify_run(run_dir) == []
+
     def test_bad_arguments_of_retention_and_encoding_are_refused_by_name(self, run_dir, backend):
         for kwargs, error, message in (
                 ({"keep": 5}, TypeError,
@@ -463,13 +493,19 @@ class BackendContract:
                 ({"trajectory": "model/*"}, TypeError,
                  "trajectory= needs dh.Trajectory('model/*', every=1), got 'model/*'"),
                 ({"codec": "zip"}, ValueError, "codec= must be one of 'delta', 'key', 'raw', got 'zip'"),
-                ({"key_every": 0}, ValueError, "key_every needs a whole number >= 1, got 0")):
+                ({"key_every": 0}, ValueError, "key_every needs a whole number >= 1, got 0"),
+                ({"trajectory": dh.Trajectory("model/*", keep_bits=8)}, ValueError,
+                 "Trajectory(keep_bits=8) rounds the steps that become trajectory points, but without keep= "
+                 "every step stays an exact restore point: pass keep= (dh.KeepLast(2) | dh.KeepEvery(1000), "
+                 "say) or leave keep_bits out")):
             with pytest.raises(error) as caught:
                 dh.Checkpointer(run_dir, backend=backend, **kwargs)
             assert str(caught.value) == message
             assert not os.path.exists(run_dir)  # refused before anything was created
         for make, message in ((lambda: dh.KeepLast(0), "KeepLast needs a whole number >= 1, got 0"),
-                              (lambda: dh.KeepEvery(-3), "KeepEvery needs a whole number >= 1, got -3")):
+                              (lambda: dh.KeepEvery(-3), "KeepEvery needs a whole number >= 1, got -3"),
+                              (lambda: dh.Trajectory(keep_bits=53), "Trajectory(keep_bits=...) needs a whole "
+                               "number of mantissa bits from 1 to 52 (float32 has 23, bfloat16 7), got 53")):
             with pytest.raises(ValueError) as caught:
                 make()
             assert str(caught.value) == message
