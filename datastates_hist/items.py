@@ -210,14 +210,14 @@ class TensorRecord:
                              f"does not read (it reads {', '.join(ENCODINGS)})")
         if self.part not in PARTS:
             raise ValueError(f"tensor {name!r} lies in the unit {self.part!r}, not one of {list(PARTS)}")
+        if any(getattr(self, key) is not None for key in LOSSY_KEYS):
+            self._check_lossy(itemsize, indexed)  # first: how its chunks are read depends on it
         if self.encoding != RAW:
             self._check_encoded(itemsize, indexed)
         if self.blocks is not None:
             self._check_blocks()
         if self.distribution is not None and not is_distribution(self.distribution):
             raise ValueError(f"tensor {name!r} has a malformed distribution: {str(self.distribution)[:200]}")
-        if any(getattr(self, key) is not None for key in LOSSY_KEYS):
-            self._check_lossy(itemsize, indexed)
 
     def _check_lossy(self, itemsize: int, indexed: bool) -> None:
         """A lossy tensor: kept bits its dtype has, the bound they give, an encoded main

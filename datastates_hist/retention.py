@@ -19,6 +19,7 @@ those steps or tensors at once), then deletes the data.
 from __future__ import annotations
 
 import fnmatch
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Iterable
@@ -133,7 +134,8 @@ class Trajectory:
         from .codecs import mantissa_bits  # here: numpy and torch only where tensors are written
 
         bits = mantissa_bits(dtype)
-        return self.keep_bits if bits is not None and self.keep_bits <= bits else None
+        # a dtype with no more mantissa bits than kept loses nothing: stored exact
+        return self.keep_bits if bits is not None and self.keep_bits < bits else None
 
     def holds(self, name: str) -> bool:
         """Whether tensor ``name`` is part of the trajectory."""
@@ -157,6 +159,8 @@ MAX_KEEP_BITS = 52
 def _keep_bits(value) -> int | None:
     if value is None:
         return None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)  # numpy's integers too
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_KEEP_BITS:
         raise ValueError(f"Trajectory(keep_bits=...) needs a whole number of mantissa bits from 1 to "
                          f"{MAX_KEEP_BITS} (float32 has 23, bfloat16 7), got {value!r}")

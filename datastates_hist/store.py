@@ -25,7 +25,7 @@ from .dtypes import dtype_name, storage_dtype, storage_torch_dtype, torch_dtype
 from .errors import CorruptionError, StepNotFoundError
 from .codecs import add_low_bits, decode
 from .index import StepRow, open_existing, unit_path
-from .items import TensorRecord
+from .items import LOSSY_KEYS, TensorRecord
 from .layout import restore_unit, steps_dir, unit_bytes
 
 
@@ -165,9 +165,17 @@ class StepData:
         rest = json.loads(self._manifest(reader, unit["manifest_checksum"], " (its restore unit)"))
         if rest.get("step") != self.row.step:
             raise ValueError(f"its restore unit is of step {rest.get('step')!r}")
+        for rec in self.records.values():
+            if rec.keep_bits is not None and not rec.has_low_bits:
+                raise ValueError(f"tensor {rec.name!r} is rounded to {rec.keep_bits} mantissa bits, but its record "
+                                 "names no low bits: the exact value of this restore point is lost")
         for rec in map(TensorRecord.from_json, rest["tensors"]):
             if rec.name in self.records:
                 raise ValueError(f"tensor {rec.name!r} is in both of its units")
+            lossy = {key: getattr(rec, key) for key in LOSSY_KEYS if getattr(rec, key) is not None}
+            if lossy:
+                raise ValueError(f"tensor {rec.name!r} of its restore unit is recorded as rounded "
+                                 f"({str(lossy)[:200]}): only tensors of the main unit are")
             rec.part = "restore"
             self.records[rec.name] = rec
 

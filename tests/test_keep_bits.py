@@ -328,3 +328,77 @@ def test_a_damaged_record_of_rounding_is_refused():
         with pytest.raises(ValueError) as exc:
             TensorRecord.from_json({**good, **change})
         assert str(exc.value) == message, change
+
+
+def _crafted_run(run_dir: str, backend: str, monkeypatch, unit: str, name: str, change) -> None:
+    """4 steps (restore points 2 and 3) whose step 3 manifest of ``unit`` has ``change``
+    applied to tensor ``name``'s entry (the manifests' checksums stay consistent)."""
+    import json
+
+    from datastates_hist import commit
+
+    original = commit.manifest_bytes
+
+    def crafted(step, records, values, **more):
+        raw = original(step, records, values, **more)
+        if step != 3 or more.get("unit", "") != unit:
+            return raw
+        doc = json.loads(raw)
+        for entry in doc["tensors"]:
+            if entry["name"] == name:
+                change(entry)
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    monkeypatch.setattr(commit, "manifest_bytes", crafted)
+    torch.manual_seed(0)
+    state, m = {"w": torch.randn(200, 30)}, torch.randn(300)
+    with dh.Checkpointer(run_dir, backend=backend, keep=dh.KeepLast(2),
+                         trajectory=dh.Trajectory("model/*", keep_bits=8)) as ckpt:
+        for step in range(4):
+            state["w"].add_(torch.randn_like(state["w"]) * 1e-3)
+            ckpt.write(step, state, m=m)
+    monkeypatch.setattr(commit, "manifest_bytes", original)
+
+
+@pytest.mark.parametrize("backend", ["adios2", "hdf5"])
+@pytest.mark.parametrize("unit, name, change, message", [
+    ("", "model/w", lambda e: [e.pop(k) for k in ("exact_checksum", "low_stored", "low_chunks")],
+     "tensor 'model/w' is rounded to 8 mantissa bits, but its record names no low bits: the exact value "
+     "of this restore point is lost"),
+    ("restore", "extra/m", lambda e: e.update(keep_bits=8, bound=2.0**-9),
+     "tensor 'extra/m' of its restore unit is recorded as rounded ({'keep_bits': 8, 'bound': 0.001953125}): "
+     "only tensors of the main unit are"),
+])
+def test_a_restore_point_whose_rounding_records_are_crafted_is_refused_and_repair_sets_it_aside(
+        tmp_path, backend, monkeypatch, unit, name, change, message):
+    """A restore point must give exact values or none: a rounded tensor without its low bits, or
+    a restore unit's tensor said to be rounded, is damage; repair keeps the main unit as a
+    trajectory point and sets the restore unit aside."""
+    run_dir = str(tmp_path / "run")
+    _crafted_run(run_dir, backend, monkeypatch, unit, name, change)
+    with dh.open(run_dir) as h:
+        with pytest.raises(dh.CorruptionError) as exc:
+            h.read("model/w", 3)
+    assert str(exc.value) == f"the manifest of step 3 in {run_dir} is damaged: {message}"
+    assert [p.step for p in verify_run(run_dir)] == [3]
+    os.remove(index_path(run_dir))
+    report = repair_run(run_dir)
+    unit = f"000000000003.restore.{'bp' if backend == 'adios2' else 'h5'}"
+    assert report.steps == [0, 1, 2, 3] and list(report.set_aside) == [unit], report
+    assert os.listdir(os.path.join(run_dir, "damaged")) == [unit]
+    assert verify_run(run_dir) == []
+    with dh.open(run_dir) as h:
+        assert h.restore_points == [2] and h.steps == [0, 1, 2, 3]
+        assert h.tensors(3).set_index("name").loc["model/w", "keep_bits"] == 8
+
+
+@pytest.mark.parametrize("dtype, bits", [("bfloat16", 7), ("float16", 10), ("float32", 23)])
+def test_a_dtype_with_no_more_mantissa_bits_than_kept_is_stored_exact(dtype, bits):
+    trajectory = dh.Trajectory("model/*", keep_bits=bits)
+    assert trajectory.rounds("model/w", dtype, 0) is None
+    assert dh.Trajectory("model/*", keep_bits=bits - 1).rounds("model/w", dtype, 0) == bits - 1
+
+
+def test_keep_bits_may_be_a_numpy_integer():
+    assert dh.Trajectory("model/*", keep_bits=np.int64(8)).keep_bits == 8
+    assert type(dh.Trajectory("model/*", keep_bits=np.int64(8)).keep_bits) is int
