@@ -3,10 +3,12 @@
 Per tensor: its shape, dtype, how it is stored (``raw``, ``key``: compressed alone,
 ``delta<-B``: against its value at step B), its bytes as they are and as stored,
 and its norm (the table leaves min and max, in ``--json``, to fit 80 columns). A
-step with tensors rounded to ``keep_bits`` (lossy trajectory points) adds, per
-tensor, the mantissa bits kept (``exact`` for the others) and the relative error
-bound, ``2**-(bits+1)``; the stored bytes of a restore point's rounded tensor count
-its low bits, kept in the restore unit.
+tensor rounded to ``keep_bits`` (a lossy trajectory point's) has a ``*`` after its
+encoding (``delta<-12*``; one character, so that names keep their room in 80
+columns), and a line under the table gives the bits kept and the relative error
+bound, ``2**-(bits+1)`` (``--json``: ``keep_bits`` and ``bound`` per tensor);
+the stored bytes of a restore point's rounded tensor count its low bits, kept in the
+restore unit.
 """
 
 from __future__ import annotations
@@ -47,11 +49,11 @@ def run(args) -> int:
     columns = ["name", "shape", "dtype", "encoding", "nbytes", "stored", "norm"]
     table = [[r.name, "x".join(map(str, r.shape)) or "()", r.dtype, encoding(r), size(r.nbytes),
               size(stored(r)), r.stats.get("norm")] for r in records]
-    if any(r.keep_bits is not None for r in records):  # a step with rounded tensors says how
-        columns += ["bits", "bound"]
-        for row, r in zip(table, records):
-            row += [r.keep_bits, r.bound] if r.keep_bits is not None else ["exact", ""]
     emit(args, columns, table, data, left=("name", "dtype", "encoding"))
+    bounds = sorted({(r.keep_bits, r.bound) for r in records if r.keep_bits is not None}, reverse=True)
+    if bounds and not args.json:  # one Trajectory rounds a step: one keep_bits
+        print("* rounded to " + ", ".join(f"{bits} mantissa bits (relative error at most {bound:.3g})"
+                                          for bits, bound in bounds))
     return 0
 
 
@@ -62,4 +64,5 @@ def stored(rec) -> int:
 
 def encoding(rec) -> str:
     """How a tensor is stored, its base step beside a delta's: ``delta<-12``."""
-    return f"delta<-{rec.base}" if rec.encoding == "delta" else rec.encoding
+    how = f"delta<-{rec.base}" if rec.encoding == "delta" else rec.encoding
+    return how if rec.keep_bits is None else f"{how}*"
