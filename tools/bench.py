@@ -1,11 +1,16 @@
 """Benchmark datastates-hist against torch.save and PyTorch DCP, side by side, in one run.
 
 Sections (``--sections``, default all):
-  e2e      mean training step time checkpointing every iteration, for no checkpointing,
-           torch.save, torch.distributed.checkpoint.async_save and datastates-hist (each
-           backend); training-thread blocking per checkpoint; peak RSS. ``bytes.write`` is
+  e2e      training step time checkpointing every iteration, for no checkpointing,
+           torch.save, torch.distributed.checkpoint.async_save (thread and process modes)
+           and datastates-hist (each backend): median over repetitions and the slowest
+           repetition; training-thread blocking per checkpoint; CPU seconds per checkpoint
+           (all threads of the training process and its child processes, over no
+           checkpointing's; DCP's writer process also alone); peak RSS. ``bytes.write`` is
            the floor: a background thread writes the state's bytes to a new file every
-           step (the optimizer step waits for it), and does nothing else.
+           step (the optimizer step waits for it), and does nothing else. ``checks``
+           compares each datastates-hist row with the others of its target (the
+           performance issue's targets 1-4).
   flush    flush throughput of a state larger than the host cache, against dd with fdatasync
            to the same target: the second checkpoint of a process (``first``: the first, which
            also faults the fresh host cache in).
@@ -18,11 +23,14 @@ Sections (``--sections``, default all):
            host cache of ``--slow-cache-mb``.
   query    one tensor across 50 steps from a history against 50 torch.load (the
            query benchmark of tools/bench_query.py, run from here).
+Workloads (``--sizes``): the example GPT (tiny, small, medium; batch 8 x 128 tokens) and
+``storage``: a wide MLP trained with Adam, 176 MB of state against a step of about 130 ms on
+2 cores, where checkpointing every step is bound by bytes and CPU, not by compute.
 ``--figure PATH`` draws the end-to-end step times per configuration (matplotlib).
 Each configuration runs in a fresh process; configurations alternate across repetitions so
 that drifts of a shared machine hit all alike. Medians are printed with ratios.
 
-    python tools/bench.py --sizes small --targets /dev/shm,/var/tmp --reps 3 [--json]
+    python tools/bench.py --sections e2e --sizes small,storage --targets /dev/shm,/var/tmp
 """
 
 from __future__ import annotations
@@ -43,8 +51,49 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, ROOT)
 
-E2E_CONFIGS = ("none", "bytes.write", "torch.save", "dcp.async_save", "dh-adios2", "dh-adios2-raw",
-               "dh-adios2-history", "dh-hdf5", "dh-hdf5-raw")
+E2E_CONFIGS = ("none", "bytes.write", "torch.save", "dcp.async_save", "dcp.async_save-process",
+               "dh-adios2", "dh-adios2-raw", "dh-adios2-history", "dh-hdf5", "dh-hdf5-raw")
+# The storage-heavy workload: (input, width, hidden layers, batch) -> 14.7 M parameters.
+STORAGE_MLP = (512, 2048, 3, 160)
+
+
+class Workload:
+    """A model, its optimizer, and a batch and loss to train it on, by ``--sizes`` name: the
+    example GPT's sizes, or ``storage`` (a wide MLP fitting a fixed random target with Adam)."""
+
+    def __init__(self, size: str):
+        import torch
+
+        torch.manual_seed(0)
+        self.size = size
+        if size == "storage":
+            inputs, width, depth, self.batch_size = STORAGE_MLP
+            layers = [torch.nn.Linear(inputs, width), torch.nn.GELU()]
+            for _ in range(depth):
+                layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+            self.model = torch.nn.Sequential(*layers, torch.nn.Linear(width, inputs))
+            self.optimizer = torch.optim.Adam(self.model.parameters(), 1e-4)
+            self.target = torch.randn(inputs, inputs) / inputs ** 0.5
+        else:
+            import train_gpt
+
+            self.model = train_gpt.build_model(size, block_size=128)
+            self.optimizer = train_gpt.make_optimizer(self.model, 1e-3)
+            self.corpus = train_gpt.load_corpus(2 << 20)
+
+    def backward(self) -> None:
+        """One batch forward and backward (the optimizer step is the caller's)."""
+        import torch
+        import torch.nn.functional as F
+
+        if self.size == "storage":
+            x = torch.randn(self.batch_size, self.target.shape[0])
+            F.mse_loss(self.model(x), torch.tanh(x @ self.target)).backward()
+        else:
+            import train_gpt
+
+            x, y = train_gpt.get_batch(self.corpus, 8, 128)
+            F.cross_entropy(self.model(x).flatten(0, 1), y.flatten()).backward()
 
 
 def dh_options(config: str) -> tuple[str, dict]:
@@ -99,18 +148,66 @@ def throttled(name: str, mb_per_s: float) -> str:
     return f"slow-{name}"
 
 
+def cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds of this process, all threads; of its child processes, live or reaped)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time(), children.ru_utime + children.ru_stime + sum(
+        proc_cpu_seconds(pid) for pid in descendants(os.getpid()))
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # the process ended meanwhile
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:  # so did the thread
+            continue
+        for kid in kids:
+            found += [kid, *descendants(kid)]
+    return found
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def dcp_saver(config: str):
+    """``dcp.async_save[-process]`` -> a function that starts saving a state dict to a path
+    and returns its future. The process mode runs the write in a writer process, which needs
+    a process group (here gloo, one rank); pinned-memory staging needs CUDA (DCP ignores it
+    on a CPU-only machine), so neither mode pins."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    mode = AsyncCheckpointerType.THREAD
+    if config.endswith("-process"):
+        mode = AsyncCheckpointerType.PROCESS
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return lambda state, path: dcp.async_save(state, checkpoint_id=path, async_checkpointer_type=mode)
+
+
 def e2e_child(config: str, target: str, size: str, steps: int, warmup: int, cache_mb: int,
               slow_mb_per_s: float = 0) -> dict:
-    """Train ``steps`` steps under one configuration."""
+    """Train ``steps`` steps under one configuration; CPU seconds are counted from the first
+    step after ``warmup`` until the last checkpoint is written."""
     import torch
-    import torch.nn.functional as F
 
-    import train_gpt
-
-    torch.manual_seed(0)
-    model = train_gpt.build_model(size, block_size=128)
-    opt = train_gpt.make_optimizer(model, 1e-3)
-    corpus = train_gpt.load_corpus(2 << 20)
+    work = Workload(size)
+    model, opt = work.model, work.optimizer
     ckpt, pending = None, None
     if config == "bytes.write":
         from concurrent.futures import ThreadPoolExecutor
@@ -123,16 +220,13 @@ def e2e_child(config: str, target: str, size: str, steps: int, warmup: int, cach
         backend = throttled(backend, slow_mb_per_s) if slow_mb_per_s else backend
         ckpt = dh.Checkpointer(target, backend=backend, host_cache_bytes=cache_mb << 20, **options)
     if config.startswith("dcp"):
-        import warnings
-
-        import torch.distributed.checkpoint as dcp
-
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    step_times, blocked = [], []
+        async_save = dcp_saver(config)
+    step_times, blocked, cpu0 = [], [], cpu_seconds()
     for step in range(steps):
         t0 = time.perf_counter()
-        x, y = train_gpt.get_batch(corpus, 8, 128)
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        if step == warmup:
+            cpu0 = cpu_seconds()
+        work.backward()
         w0 = time.perf_counter()
         if pending is not None and config == "bytes.write":
             pending.result()  # the state must not change while its bytes are written
@@ -146,10 +240,10 @@ def e2e_child(config: str, target: str, size: str, steps: int, warmup: int, cach
             pending = writer.submit(write_bytes, tensors, os.path.join(target, f"step{step}.bin"))
         elif config == "torch.save":
             torch.save(state_of(model, opt), os.path.join(target, f"step{step}.pt"))
-        elif config == "dcp.async_save":
+        elif config.startswith("dcp"):
             if pending is not None:
                 pending.result()  # one in flight, as its documentation advises
-            pending = dcp.async_save(state_of(model, opt), checkpoint_id=os.path.join(target, f"step{step}"))
+            pending = async_save(state_of(model, opt), os.path.join(target, f"step{step}"))
         elif ckpt is not None:
             ckpt.write(step, model, opt, data={"step": step})
         t1 = time.perf_counter()
@@ -163,8 +257,10 @@ def e2e_child(config: str, target: str, size: str, steps: int, warmup: int, cach
         ckpt.close()
         blocked = [ckpt.blocked_seconds / ckpt.writes]  # write() and the hooks' waits
     drain = time.perf_counter() - d0
+    cpu1 = cpu_seconds()
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
     return {"step_s": statistics.median(step_times), "step_p95_s": sorted(step_times)[int(0.95 * (len(step_times) - 1))],
+            "total_s": sum(step_times) + drain, "cpu_s": cpu1[0] - cpu0[0], "child_cpu_s": cpu1[1] - cpu0[1],
             "blocked_s": statistics.mean(blocked), "drain_s": drain, "state_bytes": nbytes, "rss_mb": peak_rss_mb(),
             "stored_bytes": tree_bytes(target) / steps}
 
@@ -205,17 +301,13 @@ def restore_child(config: str, target: str, size: str) -> dict:
 
     import torch
 
-    import train_gpt
-
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    torch.manual_seed(0)
-    model = train_gpt.build_model(size, block_size=128)
-    opt = train_gpt.make_optimizer(model, 1e-3)
-    x = torch.randint(0, 256, (2, 128))
-    model(x).sum().backward()
+    work = Workload(size)
+    model, opt = work.model, work.optimizer
+    work.backward()
     opt.step()
-    fresh = train_gpt.build_model(size, block_size=128)
-    fresh_opt = train_gpt.make_optimizer(fresh, 1e-3)
+    blank = Workload(size)
+    fresh, fresh_opt = blank.model, blank.optimizer
     for p in fresh.parameters():  # gradients for the first step after the restore
         p.grad = torch.full_like(p, 1e-3)
     if config == "torch.load":
@@ -229,7 +321,6 @@ def restore_child(config: str, target: str, size: str) -> dict:
         import torch.distributed.checkpoint as dcp
 
         dcp.save(state_of(model, opt), checkpoint_id=os.path.join(target, "dcp"))
-        fresh_opt_state = {"model": fresh.state_dict(), "optim": state_of(model, opt)["optim"]}
         fresh_opt_state = {"model": fresh.state_dict(),
                            "optim": {"state": {k: {n: torch.empty_like(v) if torch.is_tensor(v) else v
                                                    for n, v in s.items()}
@@ -271,7 +362,8 @@ def run_child(section: str, config: str, target_root: str, args) -> dict:
         raise SystemExit(f"{section} {config} on {target_root} failed:\n{exc.stderr}") from None
     finally:
         shutil.rmtree(target, ignore_errors=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # The last line that is a result: DCP's writer process logs to the same stdout.
+    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
 
 
 def med(rs, key):
@@ -281,30 +373,70 @@ def med(rs, key):
 def collect(section: str, configs, targets, args) -> dict:
     """``(target, config) -> [result per repetition]``, configurations alternating."""
     results: dict = {}
+    reps = args.reps or (5 if section == "e2e" else 3)
     for target in targets:
-        for _ in range(args.reps):
+        for _ in range(reps):
             for config in configs:
+                print(f"{section} {args.size} {target} {config} ({time.strftime('%H:%M:%S')})", file=sys.stderr)
                 results.setdefault((target, config), []).append(run_child(section, config, target, args))
     return results
 
 
 def bench_e2e(args, targets, configs) -> list[dict]:
     results = collect("e2e", configs, targets, args)
+    checkpoints = args.steps - args.warmup
     rows = []
     for target in targets:
-        base = med(results[(target, "none")], "step_s") if "none" in configs else None
-        save = med(results[(target, "torch.save")], "blocked_s") if "torch.save" in configs else None
+        def of(config, key):
+            return med(results[(target, config)], key) if config in configs else None
+
+        base, save = of("none", "step_s"), of("torch.save", "blocked_s")
+        base_total, base_cpu = of("none", "total_s"), of("none", "cpu_s")
+        floor_cpu = of("bytes.write", "cpu_s")
+        if floor_cpu is not None and base_cpu is not None:
+            floor_cpu += of("bytes.write", "child_cpu_s") - base_cpu
+            floor_cpu = floor_cpu if floor_cpu > 0 else None  # lost in the noise: no ratio
         for config in configs:
             rs = results[(target, config)]
-            rows.append({"target": target, "config": config, "step_ms": med(rs, "step_s") * 1e3,
-                         "vs_none": med(rs, "step_s") / base if base else None,
+            step = med(rs, "step_s")
+            cpu = med(rs, "cpu_s") - base_cpu + med(rs, "child_cpu_s") if base_cpu is not None else None
+            rows.append({"target": target, "config": config, "step_ms": step * 1e3,
+                         "max_ms": max(r["step_s"] for r in rs) * 1e3,
+                         "max_vs_med": max(r["step_s"] for r in rs) / step,
+                         "vs_none": step / base if base else None,
+                         "drained_vs_none": med(rs, "total_s") / base_total if base_total else None,
                          "blocked_ms": med(rs, "blocked_s") * 1e3,
                          "blocked_vs_torch_save": (med(rs, "blocked_s") / save
                                                    if save and config != "none" else None),
-                         "drain_ms": med(rs, "drain_s") * 1e3, "peak_rss_mb": med(rs, "rss_mb"),
-                         "state_mb": rs[0]["state_bytes"] / 1e6,
+                         "drain_ms": med(rs, "drain_s") * 1e3,
+                         "cpu_ms": cpu / checkpoints * 1e3 if cpu is not None else None,
+                         "writer_cpu_ms": med(rs, "child_cpu_s") / checkpoints * 1e3,
+                         "cpu_vs_floor": cpu / floor_cpu if floor_cpu and cpu is not None else None,
+                         "peak_rss_mb": med(rs, "rss_mb"), "state_mb": rs[0]["state_bytes"] / 1e6,
                          "stored_mb_per_step": med(rs, "stored_bytes") / 1e6})
     return rows
+
+
+def e2e_checks(rows: list[dict]) -> list[dict]:
+    """Each datastates-hist row against the performance issue's targets 1-4: its step-time
+    ratio against torch.save's and each DCP mode's (<= 1), its overhead over the floor's in
+    percentage points (<= 3 for the GPT), its CPU against the floor's (<= 1.5) and its
+    slowest repetition against the median (<= 1.25)."""
+    checks = []
+    for row in rows:
+        if not row["config"].startswith("dh-") or row["vs_none"] is None:
+            continue
+        peer = {r["config"]: r for r in rows if r["target"] == row["target"]}
+
+        def over(name):
+            return row["step_ms"] / peer[name]["step_ms"] if name in peer else None
+
+        floor = peer.get("bytes.write")
+        checks.append({"target": row["target"], "config": row["config"], "vs_torch_save": over("torch.save"),
+                       "vs_dcp_thread": over("dcp.async_save"), "vs_dcp_process": over("dcp.async_save-process"),
+                       "over_floor_pp": (row["vs_none"] - floor["vs_none"]) * 100 if floor else None,
+                       "cpu_vs_floor": row["cpu_vs_floor"], "max_vs_med": row["max_vs_med"]})
+    return checks
 
 
 def bench_flush(args, targets, backends) -> list[dict]:
@@ -374,21 +506,29 @@ def print_table(title: str, rows: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sections", default="e2e,flush,restore,slow")
-    p.add_argument("--sizes", default="small", help="example model sizes (tiny, small, medium)")
-    p.add_argument("--targets", default="/dev/shm," + tempfile.gettempdir())
-    p.add_argument("--configs", default=",".join(E2E_CONFIGS))
-    p.add_argument("--backends", default="adios2,hdf5")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--cache-mb", type=int, default=1024, help="datastates-hist host cache")
-    p.add_argument("--flush-mb", type=int, default=1024, help="state size of the flush section")
-    p.add_argument("--slow-mb-per-s", type=float, default=40, help="storage speed of the slow section")
-    p.add_argument("--slow-cache-mb", type=int, default=128, help="host cache of the slow section")
-    p.add_argument("--figure", help="write a PNG of the end-to-end step times here")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--child", nargs=3, metavar=("SECTION", "CONFIG", "TARGET"))
+    p.add_argument("--sections", default="e2e,flush,restore,slow",
+                   help="of e2e, flush, restore, slow, query (default: %(default)s)")
+    p.add_argument("--sizes", default="small",
+                   help="workloads: GPT tiny, small, medium; storage: a wide MLP with "
+                        "Adam (default: %(default)s)")
+    p.add_argument("--targets", default="/dev/shm," + tempfile.gettempdir(),
+                   help="directories to write to (default: %(default)s)")
+    p.add_argument("--configs", default=",".join(E2E_CONFIGS),
+                   help="e2e configurations (default: all: " + ", ".join(E2E_CONFIGS) + ")")
+    p.add_argument("--backends", default="adios2,hdf5", help="of the other sections (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=20, help="training steps per run (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out (default: %(default)s)")
+    p.add_argument("--reps", type=int,
+                   help="repetitions (default: 5 for e2e, 3 for the other sections)")
+    p.add_argument("--cache-mb", type=int, default=1024, help="datastates-hist host cache (default: %(default)s)")
+    p.add_argument("--flush-mb", type=int, default=1024, help="state of the flush section (default: %(default)s)")
+    p.add_argument("--slow-mb-per-s", type=float, default=40,
+                   help="storage speed of the slow section (default: %(default)s)")
+    p.add_argument("--slow-cache-mb", type=int, default=128,
+                   help="host cache of the slow section (default: %(default)s)")
+    p.add_argument("--figure", metavar="PNG", help="draw the end-to-end step times here")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--child", nargs=3, metavar=("SECTION", "CONFIG", "TARGET"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         section, config, target = args.child
@@ -412,6 +552,7 @@ def main() -> None:
         args.size = size
         if "e2e" in sections:
             report[f"e2e {size}"] = bench_e2e(args, targets, args.configs.split(","))
+            report[f"checks {size}"] = e2e_checks(report[f"e2e {size}"])
         if "restore" in sections:
             report[f"restore {size}"] = bench_restore(args, targets, backends)
         if "slow" in sections:
@@ -430,7 +571,7 @@ def main() -> None:
     if "query" in sections:
         import bench_query
 
-        bench_query.main(["--size", args.sizes.split(",")[0], "--reps", str(args.reps)])
+        bench_query.main(["--size", args.sizes.split(",")[0], "--reps", str(args.reps or 3)])
 
 
 def figure(report: dict, path: str) -> None:
