@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import blosc2
 import numpy as np
-import xxhash
 
+from .digest import checksum_stream
 from .dtypes import torch_dtype
 
 CHUNK_BYTES = 4 << 20
@@ -449,7 +449,7 @@ class MantissaSplit:
         self.dtype, self.keep_bits = dtype, keep_bits
         self._storage = np.dtype(np.uint16 if dtype in ("bfloat16", "float16") else dtype)
         self.low = Encoder(dtype, delta=False)
-        self._hasher = xxhash.xxh3_64()
+        self._hasher = checksum_stream()
         self._rounder = _Rounder(dtype, keep_bits)
         self._rounded_buf = self._low_buf = np.empty(0, np.uint8)
 

@@ -50,6 +50,12 @@ def checksum_bytes(data) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def checksum_stream():
+    """The checksum of bytes given piece by piece (``update``, then ``hexdigest``): the
+    same digest as :func:`checksum_bytes` of them all."""
+    return xxhash.xxh3_64()
+
+
 def merge_moments(a: tuple[int, float, float], b: tuple[int, float, float]) -> tuple[int, float, float]:
     """``(count, mean, m2)`` of two parts together, from each part's count, mean and
     sum of squared deviations from its mean ``m2`` (Chan's parallel formula)."""
@@ -108,7 +114,7 @@ class Digest:
     """Running checksum, statistics and distribution of one tensor."""
 
     def __init__(self) -> None:
-        self.hasher = xxhash.xxh3_64()
+        self.hasher = checksum_stream()
         self.n = 0
         self.mean = 0.0
         self.m2 = 0.0
