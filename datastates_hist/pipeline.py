@@ -132,13 +132,15 @@ def checkpoint_failed(run_dir: str, failed: list[PendingCheckpoint]) -> Checkpoi
     """The error that reports ``failed`` checkpoints to the training loop (raise it
     from the first one's error)."""
     first = failed[0]
-    steps = ", ".join(str(c.step) for c in failed)
     hint = ("; no space left on device: free space, then write again (committed steps are intact)"
             if _disk_full(first.error) else "")
-    return CheckpointError(
-        f"checkpoint of step {steps} in {run_dir} failed and was not committed: "
-        f"{type(first.error).__name__}: {first.error}{hint}"
-    )
+    if len(failed) == 1:
+        what = f"checkpoint of step {first.step} in {run_dir} failed and was not committed"
+    else:  # several were in flight when the first failed: each is reported once, here
+        steps = ", ".join(str(c.step) for c in failed)
+        what = (f"checkpoints of steps {steps} in {run_dir} failed and were not committed "
+                f"(step {first.step}'s error)")
+    return CheckpointError(f"{what}: {type(first.error).__name__}: {first.error}{hint}")
 
 
 def _disk_full(exc: BaseException) -> bool:

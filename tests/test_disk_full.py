@@ -80,11 +80,18 @@ def test_disk_full_is_reported_at_the_next_call_and_writing_resumes_after_freein
         assert errors, f"the file system never filled up ({free_bytes(fs)} bytes free)"
         assert errors[0][0] == "write"  # raised by the loop's next write()
         for _, exc in errors:  # the space of the step's file is refused before the library writes
-            failed = int(re.match(r"checkpoint of step (\d+)", str(exc))[1])
+            # steps in flight together fail together: "checkpoints of steps 3, 4 ... (step 3's error)"
+            steps = re.match(r"checkpoints? of steps? ([\d, ]+) in ", str(exc))[1].split(", ")
+            failed = int(steps[0])
+            assert steps == [str(s) for s in range(failed, failed + len(steps))], str(exc)
             unit = os.path.join(run_dir, "steps", unit_name(failed, ".bp" if backend == "adios2" else ".h5"))
             file = re.escape(unit + PARTIAL) + ("/(data|md|mmd)\\.(0|idx)" if backend == "adios2" else "")
+            what = (f"checkpoint of step {failed} in {re.escape(run_dir)} failed and was not committed"
+                    if len(steps) == 1 else
+                    f"checkpoints of steps {', '.join(steps)} in {re.escape(run_dir)} failed and were not "
+                    f"committed \\(step {failed}'s error\\)")
             assert re.fullmatch(
-                rf"checkpoint of step {failed} in {re.escape(run_dir)} failed and was not committed: OSError: "
+                rf"{what}: OSError: "
                 rf"\[Errno 28\] cannot reserve \d+ bytes for {file}: No space left on device; no space left on "
                 r"device: free space, then write again \(committed steps are intact\)", str(exc)), str(exc)
         assert_quiet(capfd.readouterr().err)
@@ -112,6 +119,22 @@ def test_disk_full_is_reported_at_the_next_call_and_writing_resumes_after_freein
             assert torch.equal(back.weight, model.weight)
         assert verify_run(run_dir) == []
         assert_quiet(capfd.readouterr().err)
+
+
+def test_steps_that_fail_together_are_named_in_one_error_with_the_first_ones_cause():
+    """Steps in flight when the disk fills fail together and are reported once, by one error."""
+    from datastates_hist.pipeline import checkpoint_failed
+    from datastates_hist.snapshot import PendingCheckpoint
+
+    failed = [PendingCheckpoint(step, [], {}) for step in (3, 4)]
+    failed[0].fail(OSError(errno.ENOSPC, "No space left on device"))
+    failed[1].fail(OSError(errno.EIO, "Input/output error"))
+    assert str(checkpoint_failed("/r", failed)) == (
+        "checkpoints of steps 3, 4 in /r failed and were not committed (step 3's error): OSError: "
+        "[Errno 28] No space left on device; no space left on device: free space, then write again "
+        "(committed steps are intact)")
+    assert str(checkpoint_failed("/r", failed[1:])) == (
+        "checkpoint of step 4 in /r failed and was not committed: OSError: [Errno 5] Input/output error")
 
 
 def test_a_bp5_file_given_up_on_a_full_disk_is_closed_and_what_adios2_says_is_in_the_error(tmp_path, capfd):
