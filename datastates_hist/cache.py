@@ -78,6 +78,14 @@ class HostCache:
             self._head = region.end
             return region
 
+    def held_bytes(self) -> int:
+        """Bytes from the oldest region not given back to the newest (gaps included)."""
+        with self._cond:
+            if not self._live:
+                return 0
+            tail = self._live[0].offset
+            return self._head - tail if self._head > tail else self.capacity - tail + self._head
+
     def view(self, region: Region) -> torch.Tensor:
         """The region's bytes as a uint8 tensor (a destination of device copies)."""
         return self.buffer[region.offset:region.offset + region.nbytes]

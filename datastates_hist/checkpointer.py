@@ -64,6 +64,11 @@ class Checkpointer:
             several ranks are stored raw.
         key_every: a delta chain is cut by a key every this many steps, so a read
             decodes at most this many stored values.
+        keep_up: when the flush falls behind training (later snapshots fill half
+            the host cache), store tensors raw until it catches up, rather than
+            let training wait for the encoder (True); False, the default: always
+            encode as ``codec`` says, so the history stays small. :attr:`raw_to_keep_up`
+            counts the tensors stored raw.
     """
 
     def __init__(self, path: str | os.PathLike, *, backend: str | None = None,
@@ -71,10 +76,12 @@ class Checkpointer:
                  host_cache_bytes: int = DEFAULT_CACHE_BYTES, piece_bytes: int = DEFAULT_PIECE_BYTES,
                  refuse_nonfinite: bool = False, comm: Any = None, backend_options: dict | None = None,
                  keep: Any = None, trajectory: Any = None, codec: str = "delta",
-                 key_every: int = DEFAULT_KEY_EVERY):
+                 key_every: int = DEFAULT_KEY_EVERY, keep_up: bool = False):
         self.path = os.fspath(path)
         self.retention = Retention(check_policy(keep), check_trajectory(trajectory))
         self.codec = check_codec(codec)
+        if not isinstance(keep_up, bool):
+            raise TypeError(f"keep_up must be True or False, got {keep_up!r}")
         self.key_every = key_every_count(key_every)
         self.group = as_group(comm)
         if self.retention.trajectory is not None and self.group.size > 1:
@@ -108,7 +115,8 @@ class Checkpointer:
         self._collector = Collector(self.group)
         committer = Committer(self.path, self.backend, self.backend_name, self.group, self._collector.rng_prefix,
                               self.retention)
-        self._pipeline = Pipeline(committer, host_cache_bytes, piece_bytes, refuse_nonfinite, self.key_every)
+        self._pipeline = Pipeline(committer, host_cache_bytes, piece_bytes, refuse_nonfinite, self.key_every,
+                                  keep_up)
         self._trajectory_checked: tuple[str, ...] = ()
         self._last_step = self.index.latest()
         self._write_seconds = 0.0
@@ -177,6 +185,12 @@ class Checkpointer:
     def cache(self):
         """The host cache (None before the first write)."""
         return self._pipeline.cache
+
+    @property
+    def raw_to_keep_up(self) -> int:
+        """How many tensors were stored raw, not encoded, because the flush had fallen
+        behind training (``keep_up``)."""
+        return self._pipeline.raw_to_keep_up
 
     @property
     def blocked_seconds(self) -> float:

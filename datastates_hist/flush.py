@@ -17,6 +17,7 @@ training loop at its next ``write()``, ``wait()`` or ``close()``.
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 import time
@@ -31,6 +32,23 @@ from .digest import Digest
 from .dtypes import dtype_name, storage_dtype
 from .items import RAW, TensorRecord
 from .snapshot import Begin, End, Message, NeedSpace, PendingCheckpoint, Piece, Pieces, Stop
+
+
+# The flush gives way to training: its thread runs at the lowest priority (nice 19), so
+# encoding and writing use the CPU time training leaves. When it falls behind (the cache
+# more than this full), tensors are stored raw until it catches up (``keep_up``), so that
+# on a machine with no core to spare the cost tends to that of writing the bytes.
+FLUSH_NICE = 19
+BEHIND_FRACTION = 0.5
+
+
+def _yield_cpu() -> None:
+    """Lower the calling thread's priority to :data:`FLUSH_NICE` (Linux: per thread);
+    threads it starts (a backend's) inherit it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), FLUSH_NICE)
+    except (AttributeError, OSError):  # no per-thread priority here: run as training does
+        pass
 
 
 class _Step:
@@ -55,8 +73,11 @@ class Flusher:
     commit failed checkpoints too (it does not commit them): with several ranks, the
     ranks agree on every step's outcome."""
 
-    def __init__(self, cache: HostCache, committer, refuse_nonfinite: bool = False, key_every: int = 16):
+    def __init__(self, cache: HostCache, committer, refuse_nonfinite: bool = False, key_every: int = 16,
+                 keep_up: bool = False):
         self.cache = cache
+        self.keep_up = keep_up
+        self.raw_to_keep_up = 0  # tensors stored raw, not encoded, because the flush was behind
         self.refuse_nonfinite = refuse_nonfinite
         self.committer = committer
         self.anchors = Anchors(key_every)
@@ -68,6 +89,7 @@ class Flusher:
         self.thread.start()
 
     def _run(self) -> None:
+        _yield_cpu()
         current: _Step | None = None
         while True:
             msg = self.inbox.get()
@@ -139,12 +161,19 @@ class Flusher:
         if plan is not None and nbytes and item.global_shape is None:
             dtype = dtype_name(t.dtype)
             keep_bits = plan.keep_bits(item.name, dtype)
-            if plan.codec != RAW or keep_bits is not None:  # a rounded value is encoded, as a key at least
+            if keep_bits is None and plan.codec != RAW and self._behind():
+                self.raw_to_keep_up += 1  # its anchor stays: the next step's delta is against that
+            elif plan.codec != RAW or keep_bits is not None:  # a rounded value is encoded, as a key at least
                 step.encodings[index] = self.anchors.begin(
                     item.name, dtype, nbytes, step.ckpt.step, plan.may_delta(item.name), plan.anchor, keep_bits)
                 return  # defined once its encoded size is known
         block = {} if item.global_shape is None else {"block": (item.global_shape, item.offset)}
         step.writer(index).define(item.name, storage_dtype(t.dtype), tuple(t.shape), dtype_name(t.dtype), **block)
+
+    def _behind(self) -> bool:
+        """Whether the flush has fallen behind training: later snapshots hold more than
+        :data:`BEHIND_FRACTION` of the cache, which, once full, makes training wait."""
+        return self.keep_up and self.cache.held_bytes() > BEHIND_FRACTION * self.cache.capacity
 
     def _put(self, step: _Step, piece: Piece) -> None:
         item = step.ckpt.tensors[piece.index]

@@ -28,9 +28,9 @@ class Pipeline:
     """Checkpoints in flight, from the snapshot to the commit."""
 
     def __init__(self, committer: Committer, cache_bytes: int, piece_bytes: int, refuse_nonfinite: bool,
-                 key_every: int):
+                 key_every: int, keep_up: bool = False):
         self.committer = committer
-        self.key_every = key_every
+        self.key_every, self.keep_up = key_every, keep_up
         self.cache_bytes, self.piece_bytes = cache_bytes, piece_bytes
         self.refuse_nonfinite = refuse_nonfinite
         self.cache: HostCache | None = None
@@ -65,7 +65,8 @@ class Pipeline:
             return
         pin = torch.cuda.is_available() and any(t.tensor.is_cuda for t in ckpt.tensors)
         self.cache = HostCache(self.cache_bytes, pin=pin)
-        self._flusher = Flusher(self.cache, self.committer, self.refuse_nonfinite, self.key_every)
+        self._flusher = Flusher(self.cache, self.committer, self.refuse_nonfinite, self.key_every,
+                                self.keep_up)
         self._snapshotter = Snapshotter(self.cache, self._flusher.inbox, self.piece_bytes)
 
     # --- waiting ------------------------------------------------------------------------
@@ -106,6 +107,10 @@ class Pipeline:
         t0 = time.perf_counter()
         self.wait_snapshot(volatile_only)
         self.hook_seconds += time.perf_counter() - t0
+
+    @property
+    def raw_to_keep_up(self) -> int:
+        return 0 if self._flusher is None else self._flusher.raw_to_keep_up
 
     def removed(self, steps: list[int] | None) -> None:
         """``steps`` were removed from the run (prune, truncate; after :meth:`wait`), or

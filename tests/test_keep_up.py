@@ -1,0 +1,103 @@
+"""With ``keep_up=True``, a flush that has fallen behind training stores tensors raw
+until it catches up, and every step still reads back bit-exact; by default it encodes
+every tensor however far behind.
+
+The flush is held back by a backend that makes the first step's writer wait until the
+test lets it go: a storage device that stalls, on the flusher thread, as a slow one does.
+"""
+
+import sqlite3
+import threading
+
+import pytest
+import torch
+
+import datastates_hist as dh
+from datastates_hist.backends import get_backend, register_backend, unregister_backend
+
+
+def encodings(run):
+    conn = sqlite3.connect(f"{run}/index.sqlite")
+    try:
+        rows = conn.execute("SELECT step, name, encoding FROM tensors ORDER BY step, name").fetchall()
+    finally:
+        conn.close()
+    by_step = {}
+    for step, name, encoding in rows:
+        by_step.setdefault(step, {})[name] = encoding
+    return by_step
+
+
+@pytest.fixture
+def stalled(backend):
+    """(name of a backend whose step-0 writer waits for ``go``, go)."""
+    inner, go = get_backend(backend), threading.Event()
+
+    class Stalled(type(inner)):
+        def begin_step(self, steps_dir, step, group=None, part=""):
+            if step == 0:
+                assert go.wait(60), "the test never let the flush go"
+            return inner.begin_step(steps_dir, step, group, part)
+
+    register_backend(f"stalled-{backend}", Stalled())
+    yield f"stalled-{backend}", go
+    unregister_backend(f"stalled-{backend}")
+
+
+def write_three_steps_while_the_flush_stalls(run_dir, backend, go, **options):
+    """Steps 0, 1, 2 of a model with Adam (1.5 MiB each) into a 5 MiB cache while the flush
+    of step 0 stalls, then step 3 after the flush caught up; each step's values kept."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 512)
+    opt = torch.optim.Adam(model.parameters())
+    written = {}
+    ckpt = dh.Checkpointer(run_dir, backend=backend, host_cache_bytes=5 << 20, **options)
+    for step in range(4):
+        model(torch.randn(8, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ckpt.write(step, model, opt)
+        written[step] = {"model/weight": model.weight.detach().clone(),
+                         "optim/state/weight/exp_avg_sq": opt.state[model.weight]["exp_avg_sq"].clone()}
+        if step == 2:  # three snapshots in the cache (4.5 MiB of 5): the flush is behind
+            ckpt.wait_snapshot()
+            go.set()
+            ckpt.wait()  # caught up
+    ckpt.close()
+    return ckpt, written
+
+
+def test_a_flush_behind_training_stores_tensors_raw_until_it_catches_up(tmp_path, backend, stalled):
+    run_dir = str(tmp_path / "run")
+    ckpt, written = write_three_steps_while_the_flush_stalls(run_dir, *stalled, keep_up=True)
+    stored = encodings(run_dir)
+    assert set(stored[0].values()) == {"raw"}  # the cache was over half full throughout
+    assert set(stored[3].values()) <= {"key", "delta"}  # caught up: encoded again
+    assert "raw" not in stored[3].values()
+    raw = sum(list(s.values()).count("raw") for s in stored.values())
+    assert ckpt.raw_to_keep_up == raw >= len(stored[0])
+    with dh.open(run_dir) as h:
+        for step, values in written.items():
+            for name, value in values.items():
+                assert torch.equal(h.read(name, step), value), (step, name)
+    with dh.Checkpointer(run_dir) as again:  # the newest step restores bit-exact
+        fresh = torch.nn.Linear(256, 512)
+        assert again.restore(model=fresh).step == 3
+        assert torch.equal(fresh.weight, written[3]["model/weight"])
+
+
+@pytest.mark.parametrize("options", [{}, {"keep_up": False}], ids=["default", "keep_up=False"])
+def test_by_default_every_tensor_is_encoded_however_far_behind(tmp_path, backend, stalled, options):
+    run_dir = str(tmp_path / "run")
+    ckpt, written = write_three_steps_while_the_flush_stalls(run_dir, *stalled, **options)
+    stored = encodings(run_dir)
+    assert ckpt.raw_to_keep_up == 0
+    assert all(set(s.values()) <= {"key", "delta"} for s in stored.values()), stored
+    with dh.open(run_dir) as h:
+        assert all(torch.equal(h.read(name, step), value)
+                   for step, values in written.items() for name, value in values.items())
+
+
+def test_keep_up_must_be_a_bool(tmp_path):
+    with pytest.raises(TypeError, match=r"^keep_up must be True or False, got 'no'$"):
+        dh.Checkpointer(str(tmp_path / "run"), keep_up="no")
