@@ -1,4 +1,6 @@
-/* Copy a chunk of float32 or float64 values and summarise it in one pass over
+/* The digest's and the delta codec's kernels.
+ *
+ * Copy a chunk of float32 or float64 values and summarise it in one pass over
  * memory (the deviations in a second pass, over the copy while it is in the CPU
  * cache), accumulating in float64. datastates_hist.digest calls it chunk by
  * chunk and falls back to numpy (seven passes) when it is not built.
@@ -126,12 +128,113 @@ static PyObject *copy_stats(PyObject *self, PyObject *args) {
     return result;
 }
 
+
+/* The residual of a delta (datastates_hist.codecs): out = zigzag(x - prediction), the
+ * prediction being b1, or the extrapolation 2*b1 - b2, on each element's bit pattern as
+ * an unsigned integer (modulo 2**BITS: exact both ways). In the same pass, for float32
+ * and float64 (norms 1 and 2), sq[0] += sum((x - b1)**2) and sq[1] += sum(b1**2) in
+ * float64 (the update ratio), and the piece is copied to keep (the tensor's next anchor,
+ * which may be b2's own buffer: each block is copied once b2's block has been read). */
+#define RBLOCK 4096
+#define RESIDUAL(NAME, U, S, BITS, F)                                                   \
+static void NAME(const U *x, const U *b1, const U *b2, U *out, U *keep, Py_ssize_t n,  \
+                 int norms, double *sq) {                                               \
+    double d2[LANES] = {0}, n2[LANES] = {0};                                            \
+    for (Py_ssize_t at = 0; at < n; at += RBLOCK) {                                     \
+        Py_ssize_t end = n - at < RBLOCK ? n : at + RBLOCK;                             \
+        if (b2)                                                                         \
+            for (Py_ssize_t i = at; i < end; i++) {                                     \
+                S d = (S)(U)(x[i] - (U)(b1[i] + b1[i] - b2[i]));                        \
+                out[i] = (U)((U)d << 1) ^ (U)(d >> (BITS - 1));                         \
+            }                                                                           \
+        else                                                                            \
+            for (Py_ssize_t i = at; i < end; i++) {                                     \
+                S d = (S)(U)(x[i] - b1[i]);                                             \
+                out[i] = (U)((U)d << 1) ^ (U)(d >> (BITS - 1));                         \
+            }                                                                           \
+        if (norms) {                                                                    \
+            Py_ssize_t i = at, tail = end - (end - at) % LANES;                         \
+            for (; i < tail; i += LANES)                                                \
+                for (int k = 0; k < LANES; k++) {                                       \
+                    F xv, bv;                                                           \
+                    memcpy(&xv, &x[i + k], sizeof xv); memcpy(&bv, &b1[i + k], sizeof bv); \
+                    double d = (double)xv - (double)bv;                                 \
+                    d2[k] += d * d; n2[k] += (double)bv * (double)bv;                   \
+                }                                                                       \
+            for (; i < end; i++) {                                                      \
+                F xv, bv;                                                               \
+                memcpy(&xv, &x[i], sizeof xv); memcpy(&bv, &b1[i], sizeof bv);          \
+                double d = (double)xv - (double)bv;                                     \
+                d2[0] += d * d; n2[0] += (double)bv * (double)bv;                       \
+            }                                                                           \
+        }                                                                               \
+        if (keep)                                                                       \
+            for (Py_ssize_t i = at; i < end; i++) keep[i] = x[i];                       \
+    }                                                                                   \
+    for (int k = 0; k < LANES; k++) { sq[0] += d2[k]; sq[1] += n2[k]; }                 \
+}
+
+RESIDUAL(residual_u8, uint8_t, int8_t, 8, float)
+RESIDUAL(residual_u16, uint16_t, int16_t, 16, float)
+RESIDUAL(residual_u32, uint32_t, int32_t, 32, float)
+RESIDUAL(residual_u64, uint64_t, int64_t, 64, double)
+
+/* residual(x, b1, b2 or None, out, keep or None, itemsize, norms) -> (sum (x-b1)**2, sum b1**2) */
+static PyObject *residual(PyObject *self, PyObject *args) {
+    PyObject *objs[5];
+    Py_buffer bufs[5] = {{0}};
+    int itemsize, norms;
+    if (!PyArg_ParseTuple(args, "OOOOOii", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
+                          &itemsize, &norms))
+        return NULL;
+    PyObject *result = NULL;
+    int got = 0;
+    for (; got < 5; got++) {
+        if (objs[got] == Py_None && (got == 2 || got == 4)) continue;
+        int flags = got >= 3 ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS;
+        if (PyObject_GetBuffer(objs[got], &bufs[got], flags) < 0) goto done;
+    }
+    Py_ssize_t len = bufs[0].len;
+    int same = 1;
+    for (int k = 1; k < 5; k++) same &= !bufs[k].buf || bufs[k].len == len;
+    if ((itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) || len % itemsize) {
+        PyErr_SetString(PyExc_ValueError, "residual needs whole elements of 1, 2, 4 or 8 bytes");
+    } else if (!same) {
+        PyErr_SetString(PyExc_ValueError, "residual: the buffers differ in size");
+    } else if (norms && norms != itemsize / 4) {
+        PyErr_SetString(PyExc_ValueError, "residual: norms 1 needs 4-byte elements, 2 8-byte ones");
+    } else {
+        double sq[2] = {0, 0};
+        Py_ssize_t n = len / itemsize;
+        const void *x = bufs[0].buf, *b1 = bufs[1].buf, *b2 = bufs[2].buf;
+        void *out = bufs[3].buf, *keep = bufs[4].buf;
+        Py_BEGIN_ALLOW_THREADS
+        switch (itemsize) {
+        case 1: residual_u8(x, b1, b2, out, keep, n, 0, sq); break;
+        case 2: residual_u16(x, b1, b2, out, keep, n, 0, sq); break;
+        case 4: residual_u32(x, b1, b2, out, keep, n, norms, sq); break;
+        default: residual_u64(x, b1, b2, out, keep, n, norms, sq); break;
+        }
+        Py_END_ALLOW_THREADS
+        result = Py_BuildValue("(dd)", sq[0], sq[1]);
+    }
+done:
+    for (int k = 0; k < got && k < 5; k++)
+        if (bufs[k].buf) PyBuffer_Release(&bufs[k]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_stats", copy_stats, METH_VARARGS,
      "copy_stats(src, dst, itemsize) -> (sum, m2, min, max, nonfinite): copy src into dst "
      "(unless dst is None) and return the sum, the sum of squared deviations from the mean, "
      "the min, the max and the count of non-finite values of its float32/float64 values; "
      "with counts (int64), also add its values' counts by sign and binary exponent to it."},
+    {"residual", residual, METH_VARARGS,
+     "residual(x, b1, b2, out, keep, itemsize, norms) -> (diff_sq, base_sq): out = zigzag(x - "
+     "prediction) of unsigned itemsize-byte elements (prediction b1, or 2*b1 - b2 when b2 is not "
+     "None); keep (or None) gets a copy of x; norms 1 (float32) or 2 (float64) also sums "
+     "(x - b1)**2 and b1**2 in float64, else both are 0."},
     {NULL, NULL, 0, NULL},
 };
 

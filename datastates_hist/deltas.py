@@ -61,9 +61,8 @@ class Encoding:
         end = self.pos + piece.size
         base = None if self.base is None else self.base.data[self.pos:end]
         base2 = None if self.base2 is None else self.base2.data[self.pos:end]
-        self.encoder.add(piece, base, base2)
-        if self.data is not None:
-            self.data[self.pos:end] = piece  # after encoding: the bases' bytes were still needed
+        # the anchor's copy comes after encoding: its buffer may be base2's
+        self.encoder.add(piece, base, base2, None if self.data is None else self.data[self.pos:end])
         self.pos = end
 
 

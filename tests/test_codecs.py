@@ -244,7 +244,7 @@ def test_decode_refuses_a_corrupted_blob(encoded):
     data, blob, chunks = encoded
     out = np.zeros(data.size, np.uint8)
     corrupted = blob.copy()
-    corrupted[8] ^= 0xFF  # the first chunk's block size
+    corrupted[32] ^= 0xFF  # past blosc2's 32-byte header: the first block's offset
     with pytest.raises(ValueError, match="^chunk 0 does not decompress: "):
         decode(corrupted, chunks, 4, out)
     decode(blob, chunks, 4, out)
@@ -459,3 +459,54 @@ def test_a_shifted_chunk_is_refused_where_nothing_was_rounded():
     with pytest.raises(ValueError, match=r"^chunk 0: flag must be 0 \(compressed\) or 1 \(stored raw\), "
                                          r"plus 2 \(shifted\), got 6$"):
         decode(blob, [[chunks[0][0], chunks[0][1], 6]], 4, out, b1, b2, drop=15)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + ["int32", "complex128"])
+@pytest.mark.parametrize("extrapolate", [False, True])
+def test_the_kernel_and_numpy_encode_alike_and_keep_the_piece_where_base2_was(dtype, extrapolate, monkeypatch):
+    """The C kernel (residual, update ratio, the anchor's copy in one pass) and numpy give
+    the same blob and chunk table, the same piece kept, even in base2's own buffer (as an
+    anchor reuses its oldest value's), and the same ratio to float32 rounding."""
+    assert codecs._fused is not None  # tools/install.sh builds it
+    rng = np.random.default_rng(7)
+    older, previous, current = (_stored(w, "float32" if dtype == "complex128" else dtype)
+                                for w in (_adam_weights(4)[0], PREVIOUS, CURRENT))
+    if dtype == "complex128":  # 16-byte elements: two float64 halves each
+        older, previous, current = (np.repeat(x.view(np.float32).astype(np.float64), 2).view(np.uint8)
+                                    for x in (older, previous, current))
+    current = np.concatenate([current] * 40)  # several chunks
+    previous, older = np.concatenate([previous] * 40), np.concatenate([older] * 40)
+    current[rng.integers(0, current.size, 50)] ^= 0xFF  # some large residuals too
+    results = {}
+    for path in ("kernel", "numpy"):
+        if path == "numpy":
+            monkeypatch.setattr(codecs, "_fused", None)
+        base2 = older.copy() if extrapolate else None
+        keep = base2 if extrapolate else np.zeros_like(current)
+        encoder = Encoder(dtype, delta=True)
+        for start in range(0, current.size, 3 * CHUNK_BYTES // 2):  # pieces across chunk bounds
+            cut = slice(start, start + 3 * CHUNK_BYTES // 2)
+            encoder.add(current[cut], previous[cut], None if base2 is None else base2[cut], keep[cut])
+        results[path] = (*encoder.finish(), keep)
+    (blob, chunks, ratio, kept), (blob_np, chunks_np, ratio_np, kept_np) = results["kernel"], results["numpy"]
+    assert len(chunks) >= 2 and chunks == chunks_np and np.array_equal(blob, blob_np)
+    assert np.array_equal(kept, current) and np.array_equal(kept_np, current)
+    out = np.empty(current.size, np.uint8)
+    decode(blob, chunks, torch_dtype(dtype).itemsize, out, previous, older if extrapolate else None)
+    assert np.array_equal(out, current)
+    if dtype in ("float32", "float64", "bfloat16", "float16"):
+        assert ratio == pytest.approx(ratio_np, rel=1e-5) and ratio > 0
+    else:
+        assert ratio is None and ratio_np is None
+
+
+def test_the_kernel_refuses_buffers_that_differ_or_partial_elements():
+    x = np.zeros(16, np.uint8)
+    with pytest.raises(ValueError, match="^residual: the buffers differ in size$"):
+        codecs._fused.residual(x, x[:8], None, np.empty(16, np.uint8), None, 4, 1)
+    with pytest.raises(ValueError, match="^residual needs whole elements of 1, 2, 4 or 8 bytes$"):
+        codecs._fused.residual(x[:6], x[:6], None, np.empty(6, np.uint8), None, 4, 1)
+    with pytest.raises(ValueError, match="^residual: norms 1 needs 4-byte elements, 2 8-byte ones$"):
+        codecs._fused.residual(x, x, None, np.empty(16, np.uint8), None, 8, 1)
+    with pytest.raises(ValueError, match="read-only"):  # out must be writable
+        codecs._fused.residual(x, x, None, np.frombuffer(bytes(16), np.uint8), None, 4, 1)

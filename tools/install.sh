@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 # h5dump, to check that step files are plain HDF5 (a test uses it); a C compiler and
-# Python's headers for the digest's C kernel (setup.py; without them numpy does its work)
+# Python's headers for the C kernel of the digest and the delta codec (setup.py; without them numpy does its work)
 PACKAGES=()
 command -v h5dump >/dev/null 2>&1 || PACKAGES+=(hdf5-tools)
 command -v cc >/dev/null 2>&1 || PACKAGES+=(gcc)
