@@ -64,9 +64,10 @@ class Checkpointer:
             several ranks are stored raw.
         key_every: a delta chain is cut by a key every this many steps, so a read
             decodes at most this many stored values.
-        keep_up: when the flush falls behind training (later snapshots fill half
-            the host cache), store tensors raw until it catches up, rather than
-            let training wait for the encoder (True); False, the default: always
+        keep_up: the flush gives way to training (its thread at nice 19) and, when
+            it falls behind (later snapshots fill half the host cache), stores
+            tensors raw until it catches up, rather than let training wait for the
+            encoder (True); False, the default: always
             encode as ``codec`` says, so the history stays small. :attr:`raw_to_keep_up`
             counts the tensors stored raw.
     """

@@ -101,3 +101,15 @@ def test_by_default_every_tensor_is_encoded_however_far_behind(tmp_path, backend
 def test_keep_up_must_be_a_bool(tmp_path):
     with pytest.raises(TypeError, match=r"^keep_up must be True or False, got 'no'$"):
         dh.Checkpointer(str(tmp_path / "run"), keep_up="no")
+
+
+@pytest.mark.parametrize("keep_up, nice", [(True, 19), (False, 0)])
+def test_with_keep_up_the_flush_thread_runs_at_nice_19(tmp_path, keep_up, nice):
+    import os
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    with dh.Checkpointer(str(tmp_path / "run"), keep_up=keep_up) as ckpt:
+        ckpt.write(0, torch.nn.Linear(2, 2))
+        ckpt.wait()
+        (flush,) = [t for t in threading.enumerate() if t.name == "dh-flush"]
+        assert os.getpriority(os.PRIO_PROCESS, flush.native_id) == (nice if keep_up else base)
