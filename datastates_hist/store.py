@@ -212,10 +212,12 @@ class StepData:
         tensors to read straight into (contiguous, CPU, of the stored dtype and shape)."""
         into = into or {}
         wanted = [self.records[n] for n in names if n in self.records and n not in self._prefetched]
-        # encoded tensors are decoded one by one (read()); raw ones come in one batch per unit
-        wanted = [r for r in wanted if r.blocks is None and math.prod(r.shape) and r.encoding == "raw"]
-        for part in {r.part for r in wanted}:
-            self._prefetch([r for r in wanted if r.part == part], into, self.readers[part])
+        wanted = [r for r in wanted if r.blocks is None and math.prod(r.shape)]
+        raw = [r for r in wanted if r.encoding == "raw"]
+        for part in {r.part for r in raw}:  # one batch per unit
+            self._prefetch([r for r in raw if r.part == part], into, self.readers[part])
+        # a rounded tensor with its low bits is read alone (read()), from both units
+        self._prefetch_encoded([r for r in wanted if r.encoding != "raw" and not r.has_low_bits], into)
 
     def _prefetch(self, wanted: list[TensorRecord], into: dict, reader: StepReader) -> None:
         outs = [self._live_destination(r, into.get(r.name)) for r in wanted]
@@ -233,6 +235,26 @@ class StepData:
         for rec, out in zip(wanted, outs):
             self._check(rec, out, rec.checksum)
             self._prefetched[rec.name] = out
+
+    def _prefetch_encoded(self, wanted: list[TensorRecord], into: dict) -> None:
+        """Encoded tensors: their stored bytes read in one batch per unit, then each decoded
+        straight into its destination (a tensor of ``into``, or fresh memory). Not remembered
+        as bases: the caller owns what it reads."""
+        blobs: dict[str, np.ndarray] = {}
+        for part in {r.part for r in wanted}:
+            recs = [r for r in wanted if r.part == part and r.stored]
+            arrays = [np.empty(r.stored, np.uint8) for r in recs]  # within the unit's size
+            try:
+                self.readers[part].read_many([(r.name, a, (0,)) for r, a in zip(recs, arrays)])
+            except Exception as exc:
+                raise CorruptionError(f"the tensors of step {self.row.step} in {self.run_dir} cannot be read: "
+                                      f"{exc}") from exc
+            blobs.update(zip((r.name for r in recs), arrays))
+        for rec in wanted:
+            live = self._live_destination(rec, into.get(rec.name))
+            out = self.decoded(rec, blob=blobs.get(rec.name), remember=False,
+                               out=None if live is None else live.reshape(-1).view(np.uint8))
+            self._prefetched[rec.name] = out.view(storage_dtype(torch_dtype(rec.dtype))).reshape(rec.shape)
 
     def _live_destination(self, rec: TensorRecord, live: torch.Tensor | None) -> np.ndarray | None:
         """``live`` as the array to read ``rec`` into, if it can be."""
@@ -345,20 +367,25 @@ class StepData:
         self._check(rec, exact, rec.exact_checksum, " (its exact value, with its low bits)")
         return exact
 
-    def decoded(self, rec: TensorRecord) -> np.ndarray:
+    def decoded(self, rec: TensorRecord, blob: np.ndarray | None = None, out: np.ndarray | None = None,
+                remember: bool = True) -> np.ndarray:
         """The stored bytes (1-D uint8) of encoded tensor ``rec``: its chunks read and
         decompressed, added to the prediction from its bases for a delta, and checked
         against its checksum (always: a part of a tensor decodes the whole of it anyway,
-        and a decoded value may become the base of others)."""
+        and a decoded value may become the base of others). ``blob``: its stored bytes,
+        already read; ``out``: where to decode it (1-D uint8 of ``rec.nbytes``);
+        ``remember``: keep the value as a base of later reads."""
         bases = [self._base(rec, step) for step in (rec.base, rec.base2) if step is not None]
         try:
-            blob = np.empty(rec.stored, np.uint8)
-            out = np.empty(rec.nbytes, np.uint8)
+            if out is None:
+                out = np.empty(rec.nbytes, np.uint8)
+            if blob is None:
+                blob = np.empty(rec.stored, np.uint8)
+                if rec.stored:
+                    self.readers[rec.part].read(rec.name, blob, (0,))
         except MemoryError:
             raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} declares "
                                   f"{rec.nbytes} bytes, more than this process can allocate") from None
-        if rec.stored:
-            self.readers[rec.part].read(rec.name, blob, (0,))
         try:
             decode(blob, rec.chunks, storage_dtype(torch_dtype(rec.dtype)).itemsize, out, *bases,
                    drop=rec.dropped_bits)
@@ -366,7 +393,7 @@ class StepData:
             raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} cannot be "
                                   f"decoded: {exc}: the stored data is damaged") from None
         self._check(rec, out, rec.checksum)
-        if self._bases is not None:
+        if remember and self._bases is not None:
             self._bases.remember(self.row, rec.name, out)
         return out
 

@@ -1,0 +1,59 @@
+"""A restore of an encoded step decodes each tensor straight into the model's and the
+optimizer's own tensors, after reading the stored bytes in one batch per unit."""
+
+import pytest
+import torch
+
+import datastates_hist as dh
+from datastates_hist.errors import CorruptionError
+
+
+def train(run_dir, backend, steps=5, **options):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with dh.Checkpointer(run_dir, backend=backend, **options) as ckpt:
+        for step in range(steps):
+            model(torch.randn(16, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.write(step, model, opt)
+    return model, opt
+
+
+@pytest.mark.parametrize("codec", ["delta", "key"])
+def test_encoded_tensors_are_decoded_into_the_live_tensors_bit_exact(run_dir, backend, codec):
+    model, opt = train(run_dir, backend, codec=codec)
+    with dh.open(run_dir) as h:
+        rows = h.tensors(4).set_index("name")
+        assert rows.loc["model/0.weight", "encoding"] == ("delta" if codec == "delta" else "key")
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    pointers = [p.data_ptr() for p in fresh.parameters()]
+    with dh.Checkpointer(run_dir) as ckpt:
+        assert ckpt.restore(model=fresh, optimizer=fresh_opt).step == 4
+    assert [p.data_ptr() for p in fresh.parameters()] == pointers  # read in place
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], fresh_opt.state[q][key]), key
+
+
+def test_a_damaged_encoded_tensor_fails_the_restore_by_name(run_dir):
+    train(run_dir, "hdf5", codec="key", steps=1)
+    import glob
+
+    import h5py
+
+    (unit,) = glob.glob(f"{run_dir}/steps/*.h5")
+    with h5py.File(unit, "r+") as f:
+        data = f["model/0.weight"]
+        blob = data[...]
+        blob[len(blob) // 2] ^= 0xFF
+        data[...] = blob
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    with dh.Checkpointer(run_dir) as ckpt:
+        with pytest.raises(CorruptionError, match=r"^tensor 'model/0\.weight' of step 0 in .* (cannot be decoded|"
+                                                  r"does not match its checksum)"):
+            ckpt.restore(model=fresh)
