@@ -104,6 +104,11 @@ def _fault_in(array: np.ndarray) -> None:
     array.reshape(-1).view(np.uint8)[::PAGE] = 0
 
 
+# Stored bytes of encoded tensors read at once by a prefetch: the blobs wait for their
+# decode in memory, so a restore holds at most this much beside the tensors.
+BATCH_BYTES = 256 << 20
+
+
 class UnreadableBase(CorruptionError):
     """A delta's base cannot be read (the base's own damage says why)."""
 
@@ -237,24 +242,30 @@ class StepData:
             self._prefetched[rec.name] = out
 
     def _prefetch_encoded(self, wanted: list[TensorRecord], into: dict) -> None:
-        """Encoded tensors: their stored bytes read in one batch per unit, then each decoded
-        straight into its destination (a tensor of ``into``, or fresh memory). Not remembered
-        as bases: the caller owns what it reads."""
-        blobs: dict[str, np.ndarray] = {}
+        """Encoded tensors: their stored bytes read in batches (per unit, of at most
+        :data:`BATCH_BYTES`), then each decoded straight into its destination (a tensor of
+        ``into``, or fresh memory). Not remembered as bases: the caller owns what it reads."""
+        batches: list[list[TensorRecord]] = []
         for part in {r.part for r in wanted}:
-            recs = [r for r in wanted if r.part == part and r.stored]
-            arrays = [np.empty(r.stored, np.uint8) for r in recs]  # within the unit's size
+            size = BATCH_BYTES
+            for rec in (r for r in wanted if r.part == part):
+                if size + rec.stored > BATCH_BYTES:
+                    batches.append([])
+                    size = 0
+                batches[-1].append(rec)
+                size += rec.stored
+        for batch in batches:
+            blobs = {r.name: np.empty(r.stored, np.uint8) for r in batch}  # within the unit's size
             try:
-                self.readers[part].read_many([(r.name, a, (0,)) for r, a in zip(recs, arrays)])
+                self.readers[batch[0].part].read_many([(r.name, blobs[r.name], (0,)) for r in batch if r.stored])
             except Exception as exc:
                 raise CorruptionError(f"the tensors of step {self.row.step} in {self.run_dir} cannot be read: "
                                       f"{exc}") from exc
-            blobs.update(zip((r.name for r in recs), arrays))
-        for rec in wanted:
-            live = self._live_destination(rec, into.get(rec.name))
-            out = self.decoded(rec, blob=blobs.get(rec.name), remember=False,
-                               out=None if live is None else live.reshape(-1).view(np.uint8))
-            self._prefetched[rec.name] = out.view(storage_dtype(torch_dtype(rec.dtype))).reshape(rec.shape)
+            for rec in batch:
+                live = self._live_destination(rec, into.get(rec.name))
+                out = self.decoded(rec, blob=blobs.pop(rec.name), remember=False,
+                                   out=None if live is None else live.reshape(-1).view(np.uint8))
+                self._prefetched[rec.name] = out.view(storage_dtype(torch_dtype(rec.dtype))).reshape(rec.shape)
 
     def _live_destination(self, rec: TensorRecord, live: torch.Tensor | None) -> np.ndarray | None:
         """``live`` as the array to read ``rec`` into, if it can be."""

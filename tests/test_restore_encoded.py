@@ -57,3 +57,25 @@ def test_a_damaged_encoded_tensor_fails_the_restore_by_name(run_dir):
         with pytest.raises(CorruptionError, match=r"^tensor 'model/0\.weight' of step 0 in .* (cannot be decoded|"
                                                   r"does not match its checksum)"):
             ckpt.restore(model=fresh)
+
+
+def test_encoded_tensors_are_read_in_batches_of_bounded_size(run_dir, monkeypatch):
+    from datastates_hist import store
+    from datastates_hist.backends.adios2_bp5 import Adios2StepReader
+
+    model, opt = train(run_dir, "adios2", codec="key", steps=1)
+    monkeypatch.setattr(store, "BATCH_BYTES", 4096)  # about a tensor a batch
+    batches, read_many = [], Adios2StepReader.read_many
+
+    def recorded(self, requests):
+        batches.append([name for name, _, _ in requests])
+        read_many(self, requests)
+
+    monkeypatch.setattr(Adios2StepReader, "read_many", recorded)
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    with dh.Checkpointer(run_dir) as ckpt:
+        ckpt.restore(model=fresh, optimizer=fresh_opt)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+    names = sum(batches, [])
+    assert len(batches) >= 6 and len(names) == len(set(names)) and "model/0.weight" in names
