@@ -111,5 +111,6 @@ def test_with_keep_up_the_flush_thread_runs_at_nice_19(tmp_path, keep_up, nice):
     with dh.Checkpointer(str(tmp_path / "run"), keep_up=keep_up) as ckpt:
         ckpt.write(0, torch.nn.Linear(2, 2))
         ckpt.wait()
-        (flush,) = [t for t in threading.enumerate() if t.name == "dh-flush"]
+        flush = ckpt._pipeline._flusher.thread  # this Checkpointer's (others may linger in the process)
+        assert flush.name == "dh-flush" and flush.is_alive()
         assert os.getpriority(os.PRIO_PROCESS, flush.native_id) == (nice if keep_up else base)
