@@ -247,7 +247,7 @@ class StepData:
         ``into``, or fresh memory). Not remembered as bases: the caller owns what it reads."""
         batches: list[list[TensorRecord]] = []
         for part in {r.part for r in wanted}:
-            size = BATCH_BYTES
+            size = BATCH_BYTES  # each unit starts a batch of its own
             for rec in (r for r in wanted if r.part == part):
                 if size + rec.stored > BATCH_BYTES:
                     batches.append([])
