@@ -151,17 +151,19 @@ class Index:
             self._tensor_columns = {r[1] for r in self.conn.execute("PRAGMA table_info(tensors)")}
             self._v2_columns = ", ".join(c if c in self._tensor_columns else default
                                          for c, _, default in _TENSOR_V2)
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:  # a damaged schema's text too
             self.close()
             raise self._error(exc) from exc
         except BaseException:
             self.close()
             raise
 
-    def _error(self, exc: sqlite3.DatabaseError) -> Exception:
+    def _error(self, exc: sqlite3.DatabaseError | UnicodeDecodeError) -> Exception:
         if getattr(exc, "sqlite_errorname", "").startswith(_NOT_DAMAGE):
             return FormatError(f"the index of {self.run_dir} cannot be read: {exc}")
-        return CorruptionError(f"the index {self.path} is damaged ({exc}); rebuild it from the step "
+        # SQLite quoting damaged text in its own error gives an error the sqlite3 module cannot decode
+        what = "a text in it is not UTF-8" if isinstance(exc, UnicodeDecodeError) else exc
+        return CorruptionError(f"the index {self.path} is damaged ({what}); rebuild it from the step "
                                f"data with: datastates-hist repair {self.run_dir}")
 
     def _check_may_be_created(self, writer: bool) -> None:
@@ -430,7 +432,7 @@ class Index:
         ``quick_check`` at open does not see) is named as damage of the index."""
         try:
             return self.conn.execute(sql, args).fetchall()
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:
             raise self._error(exc) from exc
 
     def close(self) -> None:

@@ -538,3 +538,23 @@ def test_damaged_optimizer_state_is_named_at_restore(tmp_path, backend, codec):
     open(path, "r+b").truncate(at + 100)
     with pytest.raises(dh.CorruptionError, match="step 1|000000000001"):
         restore_step_1()
+
+
+def test_an_index_whose_schema_text_is_not_utf8_is_named_as_damage(tmp_path, backend, capsys):
+    """A flipped byte in a table's CREATE statement: SQLite's own error then quotes bytes that
+    are not UTF-8, which the sqlite3 module cannot decode (found by tools/fuzz_store.py)."""
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, backend)
+    index = os.path.join(run_dir, "index.sqlite")
+    data = open(index, "rb").read()
+    at = data.index(b"CREATE TABLE steps (") + len(b"CREATE TABLE steps ")
+    with open(index, "r+b") as f:
+        f.seek(at)
+        f.write(b"\xce")  # in place of "(": SQLite's syntax error quotes it
+    message = (rf"^the index {index} is damaged \(a text in it is not UTF-8\); rebuild it from the step "
+               rf"data with: datastates-hist repair {run_dir}$")
+    for open_it in (lambda: dh.open(run_dir), lambda: dh.Checkpointer(run_dir), lambda: verify_run(run_dir)):
+        with pytest.raises(dh.CorruptionError, match=message):
+            open_it()
+    assert cli_main("ls", run_dir) == 4
+    assert "is damaged" in capsys.readouterr().err
