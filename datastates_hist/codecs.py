@@ -274,7 +274,7 @@ class Encoder:
         for start in range(0, piece.size, CHUNK_BYTES):
             chunk = piece[start:start + CHUNK_BYTES]
             kept = None if keep is None else keep[start:start + CHUNK_BYTES]
-            flag = 0
+            original, flag = chunk, 0
             if self.delta:
                 cut = slice(start, start + CHUNK_BYTES)
                 residual = self._residual(chunk.size)
@@ -293,12 +293,9 @@ class Encoder:
                     if self._residuals.encode(chunk, base[cut], None if base2 is None else base2[cut],
                                               residual, self.drop):
                         flag = SHIFTED
-                if kept is not None:
-                    kept[:] = chunk
-                    kept = None
                 chunk = residual
-            if kept is not None:
-                kept[:] = chunk
+            if kept is not None:  # once the bases are read: keep may be base2's buffer
+                kept[:] = original
             self._add_chunk(chunk, flag)
 
     def _residual(self, size: int) -> np.ndarray:

@@ -6,6 +6,7 @@ The run's layout is in :mod:`.layout`; every step's data is found through
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -230,13 +231,11 @@ class StepData:
         is_fresh = [o is None for o in outs]
         outs = [o if o is not None else next(fresh) for o in outs]
         requests = [(r.name, out, (0,) * len(r.shape)) for r, out in zip(wanted, outs)]
-        try:
+        with self._reading_a_batch():
             if reader.parallel_reads:
                 reader.read_many(requests)
             else:
                 _read_while_faulting(reader, requests, is_fresh)
-        except Exception as exc:
-            raise CorruptionError(f"the tensors of step {self.row.step} in {self.run_dir} cannot be read: {exc}") from exc
         for rec, out in zip(wanted, outs):
             self._check(rec, out, rec.checksum)
             self._prefetched[rec.name] = out
@@ -256,16 +255,21 @@ class StepData:
                 size += rec.stored
         for batch in batches:
             blobs = {r.name: np.empty(r.stored, np.uint8) for r in batch}  # within the unit's size
-            try:
+            with self._reading_a_batch():
                 self.readers[batch[0].part].read_many([(r.name, blobs[r.name], (0,)) for r in batch if r.stored])
-            except Exception as exc:
-                raise CorruptionError(f"the tensors of step {self.row.step} in {self.run_dir} cannot be read: "
-                                      f"{exc}") from exc
             for rec in batch:
                 live = self._live_destination(rec, into.get(rec.name))
                 out = self.decoded(rec, blob=blobs.pop(rec.name), remember=False,
                                    out=None if live is None else live.reshape(-1).view(np.uint8))
                 self._prefetched[rec.name] = out.view(storage_dtype(torch_dtype(rec.dtype))).reshape(rec.shape)
+
+    @contextlib.contextmanager
+    def _reading_a_batch(self):
+        """A batch read that fails is damage of the step's data (no tensor of it to name)."""
+        try:
+            yield
+        except Exception as exc:
+            raise CorruptionError(f"the tensors of step {self.row.step} in {self.run_dir} cannot be read: {exc}") from exc
 
     def _live_destination(self, rec: TensorRecord, live: torch.Tensor | None) -> np.ndarray | None:
         """``live`` as the array to read ``rec`` into, if it can be."""
