@@ -371,9 +371,7 @@ class StepData:
         rounded = self.decoded(rec)
         if not rec.has_low_bits:
             return rounded
-        blob = np.empty(rec.low_stored, np.uint8)
-        if rec.low_stored:
-            self.readers["restore"].read(rec.name, blob, (0,))
+        blob = self._read_blob(rec, "restore", rec.low_stored, " (its low bits)")
         try:
             exact = add_low_bits(rounded, blob, rec.low_chunks, storage_dtype(torch_dtype(rec.dtype)).itemsize)
         except ValueError as exc:
@@ -394,13 +392,11 @@ class StepData:
         try:
             if out is None:
                 out = np.empty(rec.nbytes, np.uint8)
-            if blob is None:
-                blob = np.empty(rec.stored, np.uint8)
-                if rec.stored:
-                    self.readers[rec.part].read(rec.name, blob, (0,))
         except MemoryError:
             raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} declares "
                                   f"{rec.nbytes} bytes, more than this process can allocate") from None
+        if blob is None:
+            blob = self._read_blob(rec, rec.part, rec.stored)
         try:
             decode(blob, rec.chunks, storage_dtype(torch_dtype(rec.dtype)).itemsize, out, *bases,
                    drop=rec.dropped_bits)
@@ -411,6 +407,18 @@ class StepData:
         if remember and self._bases is not None:
             self._bases.remember(self.row, rec.name, out)
         return out
+
+    def _read_blob(self, rec: TensorRecord, part: str, nbytes: int, what: str = "") -> np.ndarray:
+        """``nbytes`` stored bytes of ``rec`` from unit ``part``; a failure is damage of it
+        (a value decoded as a base is read here, with no caller to name the tensor)."""
+        blob = np.empty(nbytes, np.uint8)  # within the unit's size (_check_stored_bytes)
+        if nbytes:
+            try:
+                self.readers[part].read(rec.name, blob, (0,))
+            except Exception as exc:
+                raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir}{what} "
+                                      f"cannot be read: {exc}") from exc
+        return blob
 
     def _base(self, rec: TensorRecord, step: int) -> np.ndarray:
         """The stored bytes of ``rec``'s tensor at ``step``, a base of its delta."""

@@ -558,3 +558,31 @@ def test_an_index_whose_schema_text_is_not_utf8_is_named_as_damage(tmp_path, bac
             open_it()
     assert cli_main("ls", run_dir) == 4
     assert "is damaged" in capsys.readouterr().err
+
+
+def test_a_base_whose_dataset_header_is_damaged_is_named_at_both_steps(tmp_path):
+    """HDF5 checks its object headers: a flipped byte in the header of a key's dataset
+    fails the dataset's open. Read as the base of the next step's delta, it is named as
+    damage of the key's step, by restore and by verify (found by tools/fuzz_store.py)."""
+    import h5py
+
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, "hdf5")
+    name = "model/0.weight"
+    store = Store(run_dir)
+    assert [(r.encoding, r.base) for s in (0, 1) for r in store.records(s) if r.name == name] == [
+        ("key", None), ("delta", 0)]
+    store.close()
+    (path,) = [p for p in unit_files(run_dir) if os.path.basename(p) == "000000000000.h5"]
+    with h5py.File(path, "r") as f:
+        header = h5py.h5o.get_info(f[name].id)
+        at, size = header.addr, header.hdr.space.total
+    raw = bytearray(open(path, "rb").read())
+    raw[at + size // 2] ^= 0x10
+    open(path, "wb").write(bytes(raw))
+    assert restore_fails(run_dir, 0).startswith(f"the tensors of step 0 in {run_dir} cannot be read: ")
+    assert f"is a delta against step 0, which cannot be read: tensor {name!r} of step 0 in {run_dir} cannot be read: " \
+        in restore_fails(run_dir, 1)
+    problems = {(p.step, p.tensor): p.message for p in verify_run(run_dir)}
+    assert (0, name) in problems and (1, name) in problems, problems
+    assert problems[1, name].startswith("its delta base at step 0 cannot be read: ")

@@ -514,7 +514,7 @@ def run_case(base: str, ref: dict, declared: int, backend: str, seed: int, case:
         if wrong:
             result["finding"] = "wrong read: " + "; ".join(wrong[:3])
     except BaseException as exc:
-        result["finding"] = f"unnamed error {type(exc).__name__}: {exc}\n" + traceback.format_exc(limit=-4)
+        result["finding"] = f"unnamed error {type(exc).__name__}: {exc}\n" + traceback.format_exc(limit=-12)
     grown = _peak_rss() - base_rss
     if grown > 2 * declared + MEMORY_ALLOWANCE:
         result.setdefault("finding", f"peak memory grew by {grown >> 20} MiB")
