@@ -11,8 +11,14 @@ exp_avg_sq at 4 consecutive steps, and encodes every tensor as the flusher would
 
 Ratios are stored / raw bytes; MB/s are per core (the encoder compresses on one thread).
 ``--compare`` adds the blosc2 settings table (zstd level x shuffle) on the same data.
+``--bounds`` adds how small the weights' 2-base residuals could get: the entropy of
+each byte plane (what a byte shuffle and an order-0 entropy coder can reach), the
+entropy of each residual's bit length alone and given the bit length of the previous
+update (``b1 - b2``, known to the decoder) plus its explicit bits, and two encodings
+that were tried: residuals compressed apart by the class of that previous bit length,
+and a damped prediction ``b1 + 15/16 (b1 - b2)``.
 
-    python tools/bench_codecs.py [--size small] [--warmup 50] [--keep-bits 8] [--compare]
+    python tools/bench_codecs.py [--size small] [--warmup 50] [--keep-bits 8] [--compare] [--bounds]
 """
 
 from __future__ import annotations
@@ -163,12 +169,72 @@ def settings_rows(states: list[dict]) -> list[tuple]:
     return rows
 
 
+def _zigzag(d: np.ndarray) -> np.ndarray:
+    """int64 differences of 32-bit patterns, modulo 2**32, zigzag-coded (as the writer)."""
+    d = ((d + 2**31) % 2**32) - 2**31
+    return ((d << 1) ^ (d >> 63)).astype(np.uint32)
+
+
+def _entropy(symbols: np.ndarray) -> float:
+    """Order-0 entropy in bits per symbol of small non-negative integers."""
+    p = np.bincount(symbols).astype(np.float64)
+    p = p[p > 0] / symbols.size
+    return float(-(p * np.log2(p)).sum())
+
+
+def _bit_length(a: np.ndarray) -> np.ndarray:
+    return np.where(a > 0, np.floor(np.log2(np.maximum(a, 1).astype(np.float64))).astype(np.int64) + 1, 0)
+
+
+def bounds_rows(states: list[dict]) -> list[tuple[str, float]]:
+    """(what, stored/raw) for the weights' 2-base residuals of steps 3-4 (see the docstring)."""
+    cparams = blosc2.CParams(codec=blosc2.Codec.ZSTD, clevel=codecs.CLEVEL, typesize=4, nthreads=1,
+                             filters=[codecs.SHUFFLE], blocksize=codecs.CHUNK_BYTES)
+
+    def compressed(a: np.ndarray) -> int:
+        b = a.view(np.uint8)
+        return min(len(blosc2.compress2(b, cparams=cparams)), b.size) if b.size else 0
+
+    def bits(a: np.ndarray) -> np.ndarray:
+        return a.reshape(-1).view(np.uint32).astype(np.int64)
+
+    residuals, previous, damped, split = [], [], 0, 0
+    edges = (6, 9, 11, 12, 13, 14, 15, 16, 18)  # classes of the previous update's bit length
+    for t in range(2, len(states)):
+        for x, b1, b2 in zip(states[t]["weights"], states[t - 1]["weights"], states[t - 2]["weights"]):
+            x, b1, b2 = bits(x), bits(b1), bits(b2)
+            r, c = _zigzag(x - (2 * b1 - b2)), _zigzag(b1 - b2)
+            residuals.append(r)
+            previous.append(c)
+            damped += compressed(_zigzag(x - (b1 + (((b1 - b2) * 15) >> 4))))
+            for at in range(0, r.size, codecs.CHUNK_BYTES // 4):
+                rc, cc = r[at:at + codecs.CHUNK_BYTES // 4], _bit_length(c[at:at + codecs.CHUNK_BYTES // 4])
+                classes = np.digitize(cc, edges)
+                split += sum(compressed(rc[classes == k]) for k in range(len(edges) + 1))
+    r, c = np.concatenate(residuals), np.concatenate(previous)
+    raw_bits = 32 * r.size
+    planes = r.view(np.uint8).reshape(-1, 4)
+    length, before = _bit_length(r), _bit_length(c)
+    explicit = float(np.maximum(length - 1, 0).sum())  # below the leading one
+    alone = _entropy(length) * r.size
+    given = (_entropy(length * 64 + before) - _entropy(before)) * r.size
+    return [
+        ("byte shuffle, zstd (the writer's)", sum(compressed(a) for a in residuals) * 8 / raw_bits),
+        ("entropy of the byte planes (order 0)", sum(_entropy(planes[:, i]) for i in range(4)) * r.size / raw_bits),
+        ("bit length (order 0) + explicit bits", (alone + explicit) / raw_bits),
+        ("bit length given the previous update's + explicit bits", (given + explicit) / raw_bits),
+        ("compressed apart by the previous update's bit length", split * 8 / raw_bits),
+        ("damped prediction b1 + 15/16 (b1 - b2)", damped * 8 / raw_bits),
+    ]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(train_gpt.SIZES), default="small")
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--keep-bits", type=int, default=8)
     parser.add_argument("--compare", action="store_true", help="also compare blosc2 settings")
+    parser.add_argument("--bounds", action="store_true", help="also how small the weights' residuals could get")
     args = parser.parse_args(argv)
     try:
         codecs.check_keep_bits("float32", args.keep_bits)
@@ -190,6 +256,12 @@ def main(argv=None) -> None:
         print("|---|---|---|---|---|---|")
         for codec, name, w, m, v, speed in settings_rows(states):
             print(f"| {codec} | {name} | {w:.3f} | {m:.3f} | {v:.3f} | {speed:.0f} |")
+    if args.bounds:
+        print("\nWeights, residuals against 2 bases, stored/raw:")
+        print("| bound or encoding | stored/raw |")
+        print("|---|---|")
+        for what, ratio in bounds_rows(states):
+            print(f"| {what} | {ratio:.4f} |")
 
 
 if __name__ == "__main__":
