@@ -295,16 +295,19 @@ class StepData:
         return self._tensor(rec, start, count, verify)
 
     def _tensor(self, rec: TensorRecord, start: tuple[int, ...], count: tuple[int, ...], verify: bool) -> torch.Tensor:
-        name = rec.name
+        return torch.from_numpy(self._read_named(rec, start, count, verify)).view(torch_dtype(rec.dtype))
+
+    def _read_named(self, rec: TensorRecord, start: tuple[int, ...], count: tuple[int, ...],
+                    verify: bool) -> np.ndarray:
+        """:meth:`_read`, a failure of the backend named as damage of the tensor."""
         try:
-            out = self._read(rec, start, count, verify)
+            return self._read(rec, start, count, verify)
         except (CorruptionError, StepNotFoundError):
             raise
         except Exception as exc:
             raise CorruptionError(
-                f"tensor {name!r} of step {self.row.step} in {self.run_dir} cannot be read: {exc}"
+                f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} cannot be read: {exc}"
             ) from exc
-        return torch.from_numpy(out).view(torch_dtype(rec.dtype))
 
     def _record(self, name: str) -> TensorRecord:
         rec = self.records.get(name)
@@ -362,7 +365,7 @@ class StepData:
         """The stored bytes of ``rec`` (1-D uint8, C order), checked against its checksum."""
         if rec.encoding != "raw":
             return self.decoded(rec)
-        return self._read(rec, (0,) * len(rec.shape), rec.shape, True).reshape(-1).view(np.uint8)
+        return self._read_named(rec, (0,) * len(rec.shape), rec.shape, True).reshape(-1).view(np.uint8)
 
     def value(self, rec: TensorRecord) -> np.ndarray:
         """The bytes (1-D uint8) a reader gets of encoded tensor ``rec``: decoded, and for a

@@ -560,12 +560,38 @@ def test_an_index_whose_schema_text_is_not_utf8_is_named_as_damage(tmp_path, bac
     assert "is damaged" in capsys.readouterr().err
 
 
+def damage_dataset_header(run_dir, step, name):
+    """Flip a byte in the middle of the object header of dataset ``name`` of ``step``'s unit."""
+    import h5py
+
+    (path,) = [p for p in unit_files(run_dir) if os.path.basename(p) == f"{step:012d}.h5"]
+    with h5py.File(path, "r") as f:
+        header = h5py.h5o.get_info(f[name].id)
+        at, size = header.addr, header.hdr.space.total
+    raw = bytearray(open(path, "rb").read())
+    raw[at + size // 2] ^= 0x10
+    open(path, "wb").write(bytes(raw))
+
+
+def test_a_raw_base_whose_dataset_header_is_damaged_is_named(tmp_path):
+    """A delta may be against a step stored raw (``keep_up`` stores raw while the flush is
+    behind); its value read as a base names the damage of its own step."""
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, "hdf5", codec="raw")
+    damage_dataset_header(run_dir, 0, "model/0.weight")
+    store = Store(run_dir)
+    try:
+        with pytest.raises(dh.CorruptionError, match=rf"^tensor 'model/0.weight' of step 0 in {run_dir} cannot be "
+                                                     "read: .*metadata checksum"):
+            store.base(0, "model/0.weight", 1)
+    finally:
+        store.close()
+
+
 def test_a_base_whose_dataset_header_is_damaged_is_named_at_both_steps(tmp_path):
     """HDF5 checks its object headers: a flipped byte in the header of a key's dataset
     fails the dataset's open. Read as the base of the next step's delta, it is named as
     damage of the key's step, by restore and by verify (found by tools/fuzz_store.py)."""
-    import h5py
-
     run_dir = str(tmp_path / "run")
     make_run(run_dir, "hdf5")
     name = "model/0.weight"
@@ -573,13 +599,7 @@ def test_a_base_whose_dataset_header_is_damaged_is_named_at_both_steps(tmp_path)
     assert [(r.encoding, r.base) for s in (0, 1) for r in store.records(s) if r.name == name] == [
         ("key", None), ("delta", 0)]
     store.close()
-    (path,) = [p for p in unit_files(run_dir) if os.path.basename(p) == "000000000000.h5"]
-    with h5py.File(path, "r") as f:
-        header = h5py.h5o.get_info(f[name].id)
-        at, size = header.addr, header.hdr.space.total
-    raw = bytearray(open(path, "rb").read())
-    raw[at + size // 2] ^= 0x10
-    open(path, "wb").write(bytes(raw))
+    damage_dataset_header(run_dir, 0, name)
     assert restore_fails(run_dir, 0).startswith(f"the tensors of step 0 in {run_dir} cannot be read: ")
     assert f"is a delta against step 0, which cannot be read: tensor {name!r} of step 0 in {run_dir} cannot be read: " \
         in restore_fails(run_dir, 1)
