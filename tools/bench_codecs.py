@@ -5,9 +5,12 @@ source as data) for ``--warmup`` steps, takes the weights and AdamW's exp_avg an
 exp_avg_sq at 4 consecutive steps, and encodes every tensor as the flusher would:
 
   key      each step alone (no delta)
-  delta    XOR with the same tensor at the previous step
-  lossy    weights rounded to ``--keep-bits`` mantissa bits, XOR with the previous
-           rounded weights; with the largest relative error measured against the exact ones
+  delta    the residual against the same tensor at the previous step (1 base), or against
+           the extrapolation from the two previous steps (2 bases, what the writer stores)
+  lossy    weights rounded to ``--keep-bits`` mantissa bits, the residual against the two
+           previous rounded weights shifted right by the bits rounding dropped (as the
+           writer stores a trajectory point); with the largest relative error measured
+           against the exact ones
 
 Ratios are stored / raw bytes; MB/s are per core (the encoder compresses on one thread).
 ``--compare`` adds the blosc2 settings table (zstd level x shuffle) on the same data.
@@ -74,9 +77,10 @@ def as_bytes(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
-def encode_all(tensors, bases, bases2=None):
+def encode_all(tensors, bases, bases2=None, drop=0):
     """Encode each tensor (against its base when ``bases``, extrapolated from two with
-    ``bases2``); (raw, stored, seconds, encoded)."""
+    ``bases2``; ``drop``: the mantissa bits rounding made zero, as the writer passes them);
+    (raw, stored, seconds, encoded)."""
     raw = stored = 0
     seconds = 0.0
     encoded = []
@@ -85,22 +89,22 @@ def encode_all(tensors, bases, bases2=None):
         base = as_bytes(bases[i]) if bases is not None else None
         base2 = as_bytes(bases2[i]) if bases2 is not None else None
         start = time.perf_counter()
-        encoder = codecs.Encoder("float32", delta=base is not None)
+        encoder = codecs.Encoder("float32", delta=base is not None, drop=drop)
         encoder.add(piece, base, base2)
         blob, chunks, _ = encoder.finish()
         seconds += time.perf_counter() - start
         raw += piece.size
         stored += blob.size
-        encoded.append((blob, chunks, piece, base, base2))
+        encoded.append((blob, chunks, piece, base, base2, drop))
     return raw, stored, seconds, encoded
 
 
 def decode_seconds(encoded) -> float:
     seconds = 0.0
-    for blob, chunks, piece, base, base2 in encoded:
+    for blob, chunks, piece, base, base2, drop in encoded:
         out = np.empty(piece.size, np.uint8)
         start = time.perf_counter()
-        codecs.decode(blob, chunks, 4, out, base, base2)
+        codecs.decode(blob, chunks, 4, out, base, base2, drop=drop)
         seconds += time.perf_counter() - start
         assert np.array_equal(out, piece), "round trip differs"
     return seconds
@@ -134,7 +138,8 @@ def codec_rows(states: list[dict], keep_bits: int) -> list[tuple]:
     raw = stored = 0
     enc = dec = 0.0
     for t in range(2, len(states)):
-        r, s, e, encoded = encode_all(rounded[t], rounded[t - 1], rounded[t - 2])
+        r, s, e, encoded = encode_all(rounded[t], rounded[t - 1], rounded[t - 2],
+                                      drop=codecs.mantissa_bits("float32") - keep_bits)
         raw, stored, enc = raw + r, stored + s, enc + e
         dec += decode_seconds(encoded)
     rows.append(("weights", f"lossy {keep_bits} bits + delta, 2 bases", stored / raw,
