@@ -231,7 +231,7 @@ class StepData:
         is_fresh = [o is None for o in outs]
         outs = [o if o is not None else next(fresh) for o in outs]
         requests = [(r.name, out, (0,) * len(r.shape)) for r, out in zip(wanted, outs)]
-        with self._reading_a_batch():
+        with self._as_damage("the tensors"):
             if reader.parallel_reads:
                 reader.read_many(requests)
             else:
@@ -255,7 +255,7 @@ class StepData:
                 size += rec.stored
         for batch in batches:
             blobs = {r.name: np.empty(r.stored, np.uint8) for r in batch}  # within the unit's size
-            with self._reading_a_batch():
+            with self._as_damage("the tensors"):
                 self.readers[batch[0].part].read_many([(r.name, blobs[r.name], (0,)) for r in batch if r.stored])
             for rec in batch:
                 live = self._live_destination(rec, into.get(rec.name))
@@ -264,12 +264,16 @@ class StepData:
                 self._prefetched[rec.name] = out.view(storage_dtype(torch_dtype(rec.dtype))).reshape(rec.shape)
 
     @contextlib.contextmanager
-    def _reading_a_batch(self):
-        """A batch read that fails is damage of the step's data (no tensor of it to name)."""
+    def _as_damage(self, what: str, detail: str = ""):
+        """A backend's failure to read ``what`` of this step, raised as damage of it (a
+        batch has no single tensor to name; a base has no caller to name it)."""
         try:
             yield
+        except (CorruptionError, StepNotFoundError):
+            raise
         except Exception as exc:
-            raise CorruptionError(f"the tensors of step {self.row.step} in {self.run_dir} cannot be read: {exc}") from exc
+            raise CorruptionError(
+                f"{what} of step {self.row.step} in {self.run_dir}{detail} cannot be read: {exc}") from exc
 
     def _live_destination(self, rec: TensorRecord, live: torch.Tensor | None) -> np.ndarray | None:
         """``live`` as the array to read ``rec`` into, if it can be."""
@@ -300,14 +304,8 @@ class StepData:
     def _read_named(self, rec: TensorRecord, start: tuple[int, ...], count: tuple[int, ...],
                     verify: bool) -> np.ndarray:
         """:meth:`_read`, a failure of the backend named as damage of the tensor."""
-        try:
+        with self._as_damage(f"tensor {rec.name!r}"):
             return self._read(rec, start, count, verify)
-        except (CorruptionError, StepNotFoundError):
-            raise
-        except Exception as exc:
-            raise CorruptionError(
-                f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} cannot be read: {exc}"
-            ) from exc
 
     def _record(self, name: str) -> TensorRecord:
         rec = self.records.get(name)
@@ -416,11 +414,8 @@ class StepData:
         (a value decoded as a base is read here, with no caller to name the tensor)."""
         blob = np.empty(nbytes, np.uint8)  # within the unit's size (_check_stored_bytes)
         if nbytes:
-            try:
+            with self._as_damage(f"tensor {rec.name!r}", what):
                 self.readers[part].read(rec.name, blob, (0,))
-            except Exception as exc:
-                raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir}{what} "
-                                      f"cannot be read: {exc}") from exc
         return blob
 
     def _base(self, rec: TensorRecord, step: int) -> np.ndarray:
