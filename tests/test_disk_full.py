@@ -167,3 +167,26 @@ def test_a_bp5_file_given_up_on_a_full_disk_is_closed_and_what_adios2_says_is_in
         os.remove(os.path.join(fs, "filler"))
         shutil.rmtree(unit)  # as the step's writer does: every byte comes back (no file left open)
         assert free_bytes(fs) == 2 << 20
+
+
+@pytest.mark.parametrize("name", [
+    lambda i: f"t{i}",                                   # flat
+    lambda i: f"model/layer{i}.weight",                  # one group
+    lambda i: f"g{i}/h{i}/k{i}/w",                       # three new groups each
+    lambda i: "m/" + "x" * 400 + str(i),                 # long names
+    lambda i: "/".join(f"d{i}_{k}" for k in range(30)),  # thirty new groups each
+], ids=["flat", "grouped", "new-groups", "long-names", "deep"])
+def test_an_hdf5_step_reserves_every_byte_its_file_takes(tmp_path, name):
+    """A full disk fails cleanly only if HDF5 never writes past the space reserved before
+    it: the file a step leaves (metadata of every dataset and group, the manifest) lies
+    within what its writer reserved, whatever the names."""
+    from datastates_hist.backends.hdf5 import HDF5StepWriter
+
+    writer = HDF5StepWriter(str(tmp_path / "000000000000.h5"), 0)
+    for i in range(300):
+        data = np.arange(i % 7 + 1, dtype=np.uint16)
+        writer.define(name(i), data.dtype, data.shape, "bfloat16")  # with its dtype attribute
+        writer.put(name(i), data, (0,))
+    writer.write_manifest(b"{}" * 50_000)
+    writer.close_files()
+    assert os.path.getsize(writer.tmp) <= writer.reserved, (os.path.getsize(writer.tmp), writer.reserved)

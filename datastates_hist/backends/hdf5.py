@@ -48,7 +48,16 @@ def _file_type(dtype: np.dtype):
     return h5py.h5t.py_create(dtype)
 
 
-RESERVE_MARGIN = 64 << 10  # for the metadata of a dataset (and the file's, at the start)
+RESERVE_MARGIN = 64 << 10  # for the file's own metadata, at the start
+
+
+def metadata_margin(name: str) -> int:
+    """Space reserved for the metadata of dataset ``name``: its object header and link,
+    and the groups its path creates. Measured (h5py 3.16, libver latest): 350-800 bytes
+    for a flat or a nested name, 4.6 KB for a name that creates 30 groups; reserved
+    here with 4-12x to spare. (64 KiB each made a step of the small GPT allocate 20 MB
+    for a 400 KB file, half of the writer's CPU per dataset on tmpfs.)"""
+    return 4096 + 512 * name.count("/") + 4 * len(name.encode())
 
 
 def _box(start, count) -> tuple:
@@ -82,7 +91,7 @@ class HDF5StepWriter(StagedStepWriter):
 
     def define(self, name, dtype, shape, real_dtype, block=None):
         shape = tuple(shape)
-        self._reserve(math.prod(shape) * np.dtype(dtype).itemsize + RESERVE_MARGIN)
+        self._reserve(math.prod(shape) * np.dtype(dtype).itemsize + metadata_margin(name))
         space = h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
         dsid = h5py.h5d.create(self.file.id, name.encode(), _file_type(np.dtype(dtype)), space,
                                lcpl=_LINK_CREATE)
@@ -108,6 +117,7 @@ class HDF5StepWriter(StagedStepWriter):
         pass  # puts are written at once
 
     def write_manifest(self, manifest: bytes) -> None:
+        self._reserve(len(manifest) + metadata_margin(MANIFEST))
         self.file.create_dataset(MANIFEST, data=np.frombuffer(manifest, dtype=np.uint8))
 
     def close_files(self):
