@@ -164,9 +164,10 @@ class Flusher:
         if plan is not None and nbytes and item.global_shape is None:
             dtype = dtype_name(t.dtype)
             keep_bits = plan.keep_bits(item.name, dtype)
-            if keep_bits is None and plan.codec != RAW and self._behind():
+            encodes = plan.encodes(item.name)
+            if keep_bits is None and encodes and self._behind():
                 self.raw_to_keep_up += 1  # its anchor stays: the next step's delta is against that
-            elif plan.codec != RAW or keep_bits is not None:  # a rounded value is encoded, as a key at least
+            elif encodes or keep_bits is not None:  # a rounded value is encoded, as a key at least
                 step.encodings[index] = self.anchors.begin(
                     item.name, dtype, nbytes, step.ckpt.step, plan.may_delta(item.name), plan.anchor, keep_bits)
                 return  # defined once its encoded size is known

@@ -232,9 +232,12 @@ class TensorRecord:
         if self.bound != rounding_bound(self.dtype, self.keep_bits):
             raise ValueError(f"tensor {name!r} keeps {self.keep_bits} mantissa bits, whose bound is "
                              f"{rounding_bound(self.dtype, self.keep_bits)!r}, but records {self.bound!r}")
-        if self.encoding == RAW or self.part != "":
-            raise ValueError(f"tensor {name!r} is rounded, but stored {self.encoding} in the unit "
-                             f"{self.part!r}: a writer rounds only encoded tensors of the main unit")
+        if self.encoding == RAW:
+            raise ValueError(f"tensor {name!r} is recorded as rounded, but stored raw: a writer rounds only "
+                             "encoded tensors of the main unit")
+        if self.part != "":
+            raise ValueError(f"tensor {name!r} is rounded, but stored in the unit {self.part!r}: a writer "
+                             "rounds only encoded tensors of the main unit")
         low = (self.exact_checksum, self.low_stored, self.low_chunks)
         if self.low_stored is None and self.exact_checksum is None and self.low_chunks is None:
             return

@@ -19,6 +19,7 @@ those steps or tensors at once), then deletes the data.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import numbers
 import os
 from dataclasses import dataclass
@@ -40,6 +41,11 @@ class Policy:
 
     def keep(self, steps: list[int]) -> set[int]:
         raise NotImplementedError
+
+    def keeps_for_good(self, step: int) -> bool:
+        """Whether this policy keeps ``step`` whatever steps come after it (a policy
+        that cannot tell says True: its steps are stored as if they stayed)."""
+        return True
 
     def __or__(self, other: "Policy") -> "KeepAny":
         if not isinstance(other, Policy):
@@ -63,6 +69,9 @@ class KeepLast(Policy):
     def keep(self, steps: list[int]) -> set[int]:
         return set(steps[-self.n:])
 
+    def keeps_for_good(self, step: int) -> bool:
+        return False
+
 
 @dataclass(frozen=True)
 class KeepEvery(Policy):
@@ -76,6 +85,9 @@ class KeepEvery(Policy):
     def keep(self, steps: list[int]) -> set[int]:
         return {s for s in steps if s % self.k == 0}
 
+    def keeps_for_good(self, step: int) -> bool:
+        return step % self.k == 0
+
 
 @dataclass(frozen=True)
 class KeepAny(Policy):
@@ -88,6 +100,9 @@ class KeepAny(Policy):
         for rule in self.rules:
             kept |= rule.keep(steps)
         return kept
+
+    def keeps_for_good(self, step: int) -> bool:
+        return any(rule.keeps_for_good(step) for rule in self.rules)
 
 
 def check_policy(keep) -> Policy | None:
@@ -280,9 +295,31 @@ class StepPlan:
     def anchor(self) -> bool:
         return self.retention.anchor(self.step)
 
+    @functools.cached_property
+    def passing(self) -> bool:
+        """Whether ``keep`` will let this step go as a restore point (it keeps it only
+        while it is among the newest)."""
+        keep = self.retention.keep
+        return keep is not None and not keep.keeps_for_good(self.step)
+
+    def encodes(self, name: str) -> bool:
+        """Whether tensor ``name`` is stored compressed. What retention deletes once the
+        step is no longer among the newest restore points (its restore unit, or the whole
+        step when it does not stay as a trajectory point) is stored raw: compressing it
+        costs the flush CPU at every step (about 60 ms for the small GPT's Adam state) to
+        save disk for a few steps."""
+        if self.codec == RAW:
+            return False
+        return not self.passing or (self.anchor and self.part(name) == "")
+
     def part(self, name: str) -> str:
         """The unit of tensor ``name``: "" the main one, "restore" the restore unit."""
-        return "restore" if self.retention.split and not self.retention.trajectory.holds(name) else ""
+        if not self.retention.split:
+            return ""
+        parts = self.__dict__.setdefault("_parts", {})  # asked for every piece: globs matched once
+        if name not in parts:
+            parts[name] = "" if self.retention.trajectory.holds(name) else "restore"
+        return parts[name]
 
     def may_delta(self, name: str) -> bool:
         return self.codec == DELTA and self.retention.may_delta(name)

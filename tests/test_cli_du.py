@@ -91,12 +91,15 @@ def test_du_tells_the_three_runs_apart(runs):
     assert raw["total"]["raw"] == delta["total"]["raw"] == raw["total"]["stored"] > delta["total"]["stored"]
     assert raw["encodings"]["raw"] == figures(raw["total"]["raw"], raw["total"]["raw"])
     assert raw["encodings"]["delta"] == raw["encodings"]["key"] == figures(0, 0)
-    assert delta["kinds"]["trajectory"] == trajectory["encodings"]["raw"] == figures(0, 0)
+    assert delta["kinds"]["trajectory"] == delta["encodings"]["raw"] == figures(0, 0)
     assert delta["encodings"]["delta"]["raw"] == delta["total"]["raw"] * (STEPS - 1) // STEPS  # step 0: a key
     # KeepLast(2) | KeepEvery(4) keeps 0, 4, 8, 9 whole; the other steps keep the model only
     model_step = trajectory["groups"]["model"]["raw"] // STEPS
     assert trajectory["kinds"]["trajectory"]["raw"] == 6 * model_step
     assert trajectory["kinds"]["restore"]["raw"] == 4 * delta["total"]["raw"] // STEPS
+    # of the restore units, only step 9's is let go later (KeepEvery(4) keeps 0, 4 and 8): stored raw
+    rest_of_a_step = delta["total"]["raw"] // STEPS - model_step
+    assert trajectory["encodings"]["raw"] == figures(rest_of_a_step, rest_of_a_step)
     for run in (trajectory, delta):  # the restore units of the trajectory run hold the restore points' rest
         assert 0 < run["total"]["stored"] < run["total"]["raw"] and run["metadata"] > 0
 
@@ -119,13 +122,15 @@ def test_du_table_fits_80_columns_and_prints_every_figure(runs):
         ["group", "model", *cells(got["groups"]["model"])],
         ["optimizer", *cells(got["groups"]["optimizer"])],
         ["other", *cells(got["groups"]["other"])],
-        ["encoding", "raw", "0 B", "0 B"],  # a blank ratio: nothing raw-encoded
+        ["encoding", "raw", *cells(got["encodings"]["raw"])],
         ["key", *cells(got["encodings"]["key"])],
         ["delta", *cells(got["encodings"]["delta"])],
         ["total", *cells(got["total"])],
         ["on disk", size(got["disk"]), f"{got['disk'] / got['total']['raw']:.3f}"],
         ["metadata", size(got["metadata"])],
     ]]
+    delta = cli("du", runs["delta"], columns=80).stdout.splitlines()
+    assert delta[6].split() == ["encoding", "raw", "0", "B", "0", "B"]  # a blank ratio: nothing raw-encoded
 
 
 def test_du_of_a_missing_run_or_a_folder_that_is_not_one(tmp_path):

@@ -163,7 +163,8 @@ def test_show_says_how_each_tensor_is_stored(trajectory_run):
     assert [(r["name"], r["encoding"], r["base"], r["nbytes"], r["stored"], r["update_ratio"]) for r in got] == want
     encodings = {name: (encoding, base) for name, encoding, base, *_ in want}
     assert {encodings[n] for n in encodings if n.startswith("model/")} == {("delta", 4)}  # the trajectory: deltas
-    assert {encodings[n] for n in encodings if not n.startswith("model/")} == {("key", None)}
+    # the rest, in step 5's restore unit, goes once two newer steps come (KeepEvery(4) keeps 4 and 8): raw
+    assert {encodings[n] for n in encodings if not n.startswith("model/")} == {("raw", None)}
     wide = cli("show", trajectory_run, "5").stdout.splitlines()  # to a pipe: full names
     assert wide[0].split() == ["name", "shape", "dtype", "encoding", "nbytes", "stored", "norm"]
     assert [line.split()[:8] for line in wide[1:]] == [

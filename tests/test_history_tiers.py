@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import datastates_hist as dh
+from datastates_hist.retention import Policy
 
 
 def rows(run, sql, args=()):
@@ -130,9 +131,9 @@ def test_steps_off_the_trajectory_grid_go_and_grid_steps_stay(tmp_path, backend)
     suffix = ".h5" if backend == "hdf5" else ".bp"
     assert sorted(os.listdir(f"{run}/steps")) == sorted(
         [f"{s:012d}{suffix}" for s in (0, 3, 6, 8, 9)] + [f"{s:012d}.restore{suffix}" for s in (8, 9)])
-    # off-grid steps were deltas against the grid's anchors, never bases themselves
+    # grid steps are deltas against the grid's anchors; off-grid steps, removed once let go, are raw
     assert {s: e for s, e in encodings(run, "model/0.weight").items()} == {
-        0: ("key", None), 3: ("delta", 0), 6: ("delta", 3), 8: ("delta", 6), 9: ("delta", 6)}
+        0: ("key", None), 3: ("delta", 0), 6: ("delta", 3), 8: ("raw", None), 9: ("delta", 6)}
     t.check_reads(run)
     with dh.open(run) as h:
         assert h.steps == [0, 3, 6, 8, 9] and h.restore_points == [8, 9]
@@ -180,6 +181,47 @@ def test_a_restore_point_restores_bit_exact_and_a_trajectory_point_says_where_to
     assert partial.problems.missing == ["optim", "rng"] and not partial.rng
     for key, value in optim_state.items():
         assert torch.equal(fresh.opt.state_dict()["state"][0][key], value)
+
+
+class NewestOnly(Policy):
+    """A policy of the user's own: it cannot say which steps it keeps for good."""
+
+    def keep(self, steps):
+        return set(steps[-1:])
+
+
+@pytest.mark.parametrize("backend", ["adios2", "hdf5"])
+def test_what_retention_will_let_go_is_stored_raw_and_what_stays_is_compressed(tmp_path, backend):
+    run = str(tmp_path / "run")
+    t = Trainer()
+    with dh.Checkpointer(run, backend=backend, keep=dh.KeepLast(2) | dh.KeepEvery(4),
+                         trajectory=dh.Trajectory("model/*")) as ckpt:
+        for step in range(7):
+            t.write(ckpt, step)
+        optim_at_6 = {k: v.clone() for k, v in t.opt.state_dict()["state"][0].items()}
+    # the restore units of 0 and 4 stay as long as the run: compressed; 5 and 6 go once two newer
+    # steps come: raw. The trajectory's tensors stay in every step: compressed
+    restore_unit = rows(run, "SELECT DISTINCT step, encoding FROM tensors WHERE part='restore' ORDER BY step")
+    assert restore_unit == [(0, "key"), (4, "key"), (5, "raw"), (6, "raw")]
+    assert {e for _, e in encodings(run, "model/0.weight").values()} <= {None, 0, 1, 2, 3, 4, 5}
+    assert {e for e, _ in encodings(run, "model/0.weight").values()} == {"key", "delta"}
+    t.check_reads(run)
+    fresh = Trainer(seed=1)
+    with dh.Checkpointer(run) as ckpt:
+        assert ckpt.restore(model=fresh.model, optimizer=fresh.opt).step == 6
+    for key, value in optim_at_6.items():
+        assert torch.equal(fresh.opt.state_dict()["state"][0][key], value)
+
+    # without a trajectory a step that goes is stored raw whole; a policy that cannot tell compresses
+    for keep, expected in [(dh.KeepLast(1) | dh.KeepEvery(3), {0: "key", 3: "key", 4: "raw"}),
+                           (NewestOnly(), {4: "key"})]:
+        other = str(tmp_path / type(keep).__name__)
+        with dh.Checkpointer(other, backend=backend, keep=keep) as ckpt:
+            for step in range(5):
+                t.write(ckpt, step)
+        assert {s: e for s, (e, _) in encodings(other, "model/0.weight").items()} == expected
+        assert {e for (e,) in rows(other, "SELECT DISTINCT encoding FROM tensors WHERE step=4")} == {
+            expected[4]}
 
 
 def test_a_retention_failure_keeps_the_steps_and_warns(tmp_path):

@@ -319,8 +319,10 @@ def test_a_damaged_record_of_rounding_is_refused():
     for change, message in [
         ({"keep_bits": 30}, "tensor 'model/w' is rounded: keep_bits must be 1..23 for float32, got 30"),
         ({"bound": 0.5}, "tensor 'model/w' keeps 8 mantissa bits, whose bound is 0.001953125, but records 0.5"),
-        ({"encoding": "raw"}, "tensor 'model/w' is rounded, but stored raw in the unit '': a writer rounds only "
+        ({"encoding": "raw"}, "tensor 'model/w' is recorded as rounded, but stored raw: a writer rounds only "
                               "encoded tensors of the main unit"),
+        ({"part": "restore"}, "tensor 'model/w' is rounded, but stored in the unit 'restore': a writer rounds "
+                              "only encoded tensors of the main unit"),
         ({"low_chunks": [[8, 9, 1]]}, "tensor 'model/w' (its low bits): chunk 0: stored raw but stored_len 9 "
                                       "!= raw_len 8"),
         ({"exact_checksum": None}, "tensor 'model/w' is rounded with low bits (None, 8, [[8, 8, 1]]): they need "
@@ -331,9 +333,11 @@ def test_a_damaged_record_of_rounding_is_refused():
         assert str(exc.value) == message, change
 
 
-def _crafted_run(run_dir: str, backend: str, monkeypatch, unit: str, name: str, change) -> None:
-    """4 steps (restore points 2 and 3) whose step 3 manifest of ``unit`` has ``change``
-    applied to tensor ``name``'s entry (the manifests' checksums stay consistent)."""
+def _crafted_run(run_dir: str, backend: str, monkeypatch, unit: str, name: str, change,
+                 keep_every: int | None = None) -> None:
+    """4 steps (restore points 2 and 3, and those ``KeepEvery(keep_every)`` keeps) whose step 3
+    manifest of ``unit`` has ``change`` applied to tensor ``name``'s entry (the manifests'
+    checksums stay consistent)."""
     import json
 
     from datastates_hist import commit
@@ -353,7 +357,8 @@ def _crafted_run(run_dir: str, backend: str, monkeypatch, unit: str, name: str, 
     monkeypatch.setattr(commit, "manifest_bytes", crafted)
     torch.manual_seed(0)
     state, m = {"w": torch.randn(200, 30)}, torch.randn(300)
-    with dh.Checkpointer(run_dir, backend=backend, keep=dh.KeepLast(2),
+    keep = dh.KeepLast(2) if keep_every is None else dh.KeepLast(2) | dh.KeepEvery(keep_every)
+    with dh.Checkpointer(run_dir, backend=backend, keep=keep,
                          trajectory=dh.Trajectory("model/*", keep_bits=8)) as ckpt:
         for step in range(4):
             state["w"].add_(torch.randn_like(state["w"]) * 1e-3)
@@ -362,21 +367,26 @@ def _crafted_run(run_dir: str, backend: str, monkeypatch, unit: str, name: str, 
 
 
 @pytest.mark.parametrize("backend", ["adios2", "hdf5"])
-@pytest.mark.parametrize("unit, name, change, message", [
+@pytest.mark.parametrize("unit, name, change, message, keep_every", [
     ("", "model/w", lambda e: [e.pop(k) for k in ("exact_checksum", "low_stored", "low_chunks")],
      "tensor 'model/w' is rounded to 8 mantissa bits, but its record names no low bits: the exact value "
-     "of this restore point is lost"),
+     "of this restore point is lost", None),
+    # step 3 kept for good: its restore unit is encoded (a key)
     ("restore", "extra/m", lambda e: e.update(keep_bits=8, bound=2.0**-9),
      "tensor 'extra/m' of its restore unit is recorded as rounded ({'keep_bits': 8, 'bound': 0.001953125}): "
-     "only tensors of the main unit are"),
+     "only tensors of the main unit are", 3),
+    # step 3 let go later: its restore unit is stored raw
+    ("restore", "extra/m", lambda e: e.update(keep_bits=8, bound=2.0**-9),
+     "tensor 'extra/m' is recorded as rounded, but stored raw: a writer rounds only encoded tensors of the "
+     "main unit", None),
 ])
 def test_a_restore_point_whose_rounding_records_are_crafted_is_refused_and_repair_sets_it_aside(
-        tmp_path, backend, monkeypatch, unit, name, change, message):
+        tmp_path, backend, monkeypatch, unit, name, change, message, keep_every):
     """A restore point must give exact values or none: a rounded tensor without its low bits, or
     a restore unit's tensor said to be rounded, is damage; repair keeps the main unit as a
     trajectory point and sets the restore unit aside."""
     run_dir = str(tmp_path / "run")
-    _crafted_run(run_dir, backend, monkeypatch, unit, name, change)
+    _crafted_run(run_dir, backend, monkeypatch, unit, name, change, keep_every)
     with dh.open(run_dir) as h:
         with pytest.raises(dh.CorruptionError) as exc:
             h.read("model/w", 3)
@@ -389,7 +399,7 @@ def test_a_restore_point_whose_rounding_records_are_crafted_is_refused_and_repai
     assert os.listdir(os.path.join(run_dir, "damaged")) == [unit]
     assert verify_run(run_dir) == []
     with dh.open(run_dir) as h:
-        assert h.restore_points == [2] and h.steps == [0, 1, 2, 3]
+        assert h.restore_points == ([0, 2] if keep_every else [2]) and h.steps == [0, 1, 2, 3]
         assert h.tensors(3).set_index("name").loc["model/w", "keep_bits"] == 8
 
 
