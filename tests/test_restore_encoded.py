@@ -40,7 +40,9 @@ def test_encoded_tensors_are_decoded_into_the_live_tensors_bit_exact(run_dir, ba
             assert torch.equal(opt.state[p][key], fresh_opt.state[q][key]), key
 
 
-def test_a_damaged_encoded_tensor_fails_the_restore_by_name(run_dir):
+@pytest.mark.parametrize("damaged", [["model/0.weight"], ["model/2.weight", "model/0.weight"]])
+def test_a_damaged_encoded_tensor_fails_the_restore_by_name(run_dir, damaged):
+    """The error names the first damaged tensor in the step's order."""
     train(run_dir, "hdf5", codec="key", steps=1)
     import glob
 
@@ -48,10 +50,11 @@ def test_a_damaged_encoded_tensor_fails_the_restore_by_name(run_dir):
 
     (unit,) = glob.glob(f"{run_dir}/steps/*.h5")
     with h5py.File(unit, "r+") as f:
-        data = f["model/0.weight"]
-        blob = data[...]
-        blob[len(blob) // 2] ^= 0xFF
-        data[...] = blob
+        for name in damaged:
+            data = f[name]
+            blob = data[...]
+            blob[len(blob) // 2] ^= 0xFF
+            data[...] = blob
     fresh = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
     with dh.Checkpointer(run_dir) as ckpt:
         with pytest.raises(CorruptionError, match=r"^tensor 'model/0\.weight' of step 0 in .* (cannot be decoded|"
