@@ -44,7 +44,8 @@ class Policy:
 
     def keeps_for_good(self, step: int) -> bool:
         """Whether this policy keeps ``step`` whatever steps come after it (a policy
-        that cannot tell says True: its steps are stored as if they stayed)."""
+        that cannot tell says True: its steps are stored as if they stayed). A subclass
+        that changes :meth:`keep` says it here too: what it lets go is stored raw."""
         return True
 
     def __or__(self, other: "Policy") -> "KeepAny":
