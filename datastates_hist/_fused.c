@@ -28,7 +28,7 @@
 #endif
 
 #define KERNEL(NAME, T)                                                                \
-MULTIVERSION static void NAME(const T *x, T *out, Py_ssize_t n, double *res) {                      \
+MULTIVERSION static void NAME(const T *x, T *out, Py_ssize_t n, double *res) {          \
     double sum[LANES] = {0}, lo[LANES], hi[LANES], m2[LANES] = {0};                    \
     Py_ssize_t i, tail = n - n % LANES, bad = 0;                                       \
     for (int k = 0; k < LANES; k++) { lo[k] = INFINITY; hi[k] = -INFINITY; }          \
@@ -78,7 +78,7 @@ KERNEL(stats_f64, double)
  * so that runs of values with the same exponent do not wait on one counter's
  * increments; 32-bit counters (blocks of 2**30 values) keep the tables in L1. */
 #define EXPONENTS(NAME, U, BITS, EXP_BITS)                                             \
-MULTIVERSION static void NAME(const U *bits, Py_ssize_t n, long long *counts) {                     \
+MULTIVERSION static void NAME(const U *bits, Py_ssize_t n, long long *counts) {         \
     enum { SLOTS = 2 << EXP_BITS, BLOCK = 1 << 30 };                                   \
     uint32_t t[4][SLOTS]; /* on the stack: a thread-local array costs a call per access */ \
     for (Py_ssize_t at = 0; at < n; at += BLOCK) {                                     \
@@ -149,8 +149,8 @@ static PyObject *copy_stats(PyObject *self, PyObject *args) {
  * which may be b2's own buffer: each block is copied once b2's block has been read). */
 #define RBLOCK 4096
 #define RESIDUAL(NAME, U, S, BITS, F)                                                   \
-MULTIVERSION static void NAME(const U *x, const U *b1, const U *b2, U *out, U *keep, Py_ssize_t n,  \
-                 int norms, double *sq) {                                               \
+MULTIVERSION static void NAME(const U *x, const U *b1, const U *b2, U *out, U *keep,    \
+                              Py_ssize_t n, int norms, double *sq) {                    \
     double d2[LANES] = {0}, n2[LANES] = {0};                                            \
     for (Py_ssize_t at = 0; at < n; at += RBLOCK) {                                     \
         Py_ssize_t end = n - at < RBLOCK ? n : at + RBLOCK;                             \

@@ -19,7 +19,6 @@ those steps or tensors at once), then deletes the data.
 from __future__ import annotations
 
 import fnmatch
-import functools
 import numbers
 import os
 from dataclasses import dataclass
@@ -296,7 +295,7 @@ class StepPlan:
     def anchor(self) -> bool:
         return self.retention.anchor(self.step)
 
-    @functools.cached_property
+    @property
     def passing(self) -> bool:
         """Whether ``keep`` will let this step go as a restore point (it keeps it only
         while it is among the newest)."""
@@ -315,12 +314,7 @@ class StepPlan:
 
     def part(self, name: str) -> str:
         """The unit of tensor ``name``: "" the main one, "restore" the restore unit."""
-        if not self.retention.split:
-            return ""
-        parts = self.__dict__.setdefault("_parts", {})  # asked for every piece: globs matched once
-        if name not in parts:
-            parts[name] = "" if self.retention.trajectory.holds(name) else "restore"
-        return parts[name]
+        return "restore" if self.retention.split and not self.retention.trajectory.holds(name) else ""
 
     def may_delta(self, name: str) -> bool:
         return self.codec == DELTA and self.retention.may_delta(name)
