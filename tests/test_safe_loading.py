@@ -32,7 +32,7 @@ from datastates_hist.commit import manifest_bytes
 from datastates_hist.digest import checksum_bytes
 from datastates_hist.index import Index, StepRow
 from datastates_hist.items import TensorRecord
-from datastates_hist.retention import Policy
+from test_history_tiers import NewestOnly
 
 
 class Payload:
@@ -58,11 +58,6 @@ def test_the_payload_is_live(tmp_path):
     assert (tmp_path / "by-torch").read_text() == "pwned"
 
 
-class Newest(Policy):
-    def keep(self, steps):
-        return set(steps[-1:])
-
-
 def plant_in_a_written_run(run_dir, marker, backend):
     """A run written through the API, carrying the payload as data, plus stray pickle files.
 
@@ -73,7 +68,7 @@ def plant_in_a_written_run(run_dir, marker, backend):
     step 1's restore unit is compressed too (KeepLast's would be raw)."""
     blob = payload(marker)
     model = torch.nn.Linear(4, 3)
-    with dh.Checkpointer(run_dir, backend=backend, keep=Newest(),
+    with dh.Checkpointer(run_dir, backend=backend, keep=NewestOnly(),
                          trajectory=dh.Trajectory("model/*", "extra/blob")) as ckpt:
         for step in range(2):
             ckpt.write(step, model, torch.optim.SGD(model.parameters(), lr=0.1),
