@@ -31,6 +31,11 @@ import numpy as np
 from .digest import _fused, checksum_stream
 from .dtypes import torch_dtype
 
+# blosc2 holds the GIL in compress2 and decompress2 unless told otherwise: the flusher's
+# zstd then stalls the training thread's Python, and decoders on several threads run one
+# at a time. The setting is the module's (process-wide); releasing the GIL is all it does.
+blosc2.set_releasegil(True)
+
 CHUNK_BYTES = 4 << 20
 LOSSY_DTYPES = ("float32", "float64", "bfloat16", "float16")
 

@@ -325,11 +325,15 @@ def is_distribution(d) -> bool:
     """``{"exp0", "zero", "negative", "positive"}`` as :func:`digest.distribution` makes it."""
     if not (isinstance(d, dict) and set(d) == {"exp0", "zero", "negative", "positive"}):
         return False
-    counts = d["negative"], d["positive"]
+    negative, positive = d["negative"], d["positive"]
     # the normal exponents of float64, -1022..1023; counts of at most 2**63-1 values
-    return (_is_int(d["exp0"]) and all(isinstance(c, list) for c in counts)
-            and len(counts[0]) == len(counts[1]) and -1022 <= d["exp0"] <= d["exp0"] + len(counts[1]) <= 1024
-            and all(_is_int(n) and 0 <= n < 2**63 for n in (d["zero"], *counts[0], *counts[1])))
+    if not (_is_int(d["exp0"]) and isinstance(negative, list) and isinstance(positive, list)
+            and len(negative) == len(positive) and -1022 <= d["exp0"] <= d["exp0"] + len(positive) <= 1024):
+        return False
+    counts = [d["zero"], *negative, *positive]
+    # type() is int: not a bool, a float or an int subclass (a run's manifests hold
+    # hundreds of these lists: map and set run in C)
+    return set(map(type, counts)) == {int} and min(counts) >= 0 and max(counts) < 2**63
 
 
 def _is_dims(dims) -> bool:

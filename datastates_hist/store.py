@@ -13,6 +13,7 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,6 @@ HUGE_PAGE = 2 << 20
 DECODED_PER_TENSOR = 3  # a delta needs its two bases; a third keeps a forward scan from re-reading
 OPEN_BASES = 20  # steps kept open for decoding chains
 DECODED_BYTES = 1 << 30  # decoded values kept for the deltas read next, in all
-PAGE = mmap.PAGESIZE
 
 
 def fresh_arrays(specs: list[tuple[tuple[int, ...], np.dtype]]):
@@ -56,58 +56,11 @@ def fresh_arrays(specs: list[tuple[tuple[int, ...], np.dtype]]):
         yield np.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=at).reshape(shape)
 
 
-def _read_while_faulting(reader: StepReader, requests: list, is_fresh: list[bool]) -> None:
-    """``reader.read_many(requests)`` for a reader of one thread (h5py), while a second
-    thread faults in fresh destination memory from the last request backwards: first
-    writes to fresh memory cost more than the read itself here. The reader reads from
-    the first request on; where the two meet, it reads into memory already faulted in.
-    Each request is either faulted by the helper, before it is read, or read first and
-    never touched by the helper (a lock decides which)."""
-    if sum(req[1].nbytes for req, fresh in zip(requests, is_fresh) if fresh) < 2 * HUGE_PAGE:
-        reader.read_many(requests)
-        return
-    lock = threading.Lock()
-    reading = 0  # requests below this index are the reader's
-    faulted: dict[int, threading.Event] = {}
-
-    def fault_from_the_end() -> None:
-        for i in reversed(range(len(requests))):
-            if not is_fresh[i]:
-                continue
-            with lock:
-                if i < reading:
-                    return
-                faulted[i] = threading.Event()
-            try:
-                _fault_in(requests[i][1])
-            finally:
-                faulted[i].set()
-
-    helper = threading.Thread(target=fault_from_the_end, name="dh-fault-in", daemon=True)
-    helper.start()
-    try:
-        for i, request in enumerate(requests):
-            with lock:
-                done = faulted.get(i)
-                if done is None:
-                    reading = i + 1
-            if done is not None:
-                done.wait()
-            reader.read_many([request])
-    finally:
-        with lock:
-            reading = len(requests)  # the helper stops at its next request
-        helper.join()
-
-
-def _fault_in(array: np.ndarray) -> None:
-    """One write per page (numpy releases the GIL): the array is read into next."""
-    array.reshape(-1).view(np.uint8)[::PAGE] = 0
-
-
 # Stored bytes of encoded tensors read at once by a prefetch: the blobs wait for their
 # decode in memory, so a restore holds at most this much beside the tensors.
 BATCH_BYTES = 256 << 20
+# Threads decoding a prefetch's tensors (blosc2, numpy and xxhash release the GIL in them).
+DECODERS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 class UnreadableBase(CorruptionError):
@@ -228,14 +181,10 @@ class StepData:
     def _prefetch(self, wanted: list[TensorRecord], into: dict, reader: StepReader) -> None:
         outs = [self._live_destination(r, into.get(r.name)) for r in wanted]
         fresh = fresh_arrays([(r.shape, storage_dtype(torch_dtype(r.dtype))) for r, o in zip(wanted, outs) if o is None])
-        is_fresh = [o is None for o in outs]
         outs = [o if o is not None else next(fresh) for o in outs]
         requests = [(r.name, out, (0,) * len(r.shape)) for r, out in zip(wanted, outs)]
         with self._as_damage("the tensors"):
-            if reader.parallel_reads:
-                reader.read_many(requests)
-            else:
-                _read_while_faulting(reader, requests, is_fresh)
+            reader.read_many(requests)
         for rec, out in zip(wanted, outs):
             self._check(rec, out, rec.checksum)
             self._prefetched[rec.name] = out
@@ -253,15 +202,21 @@ class StepData:
                     size = 0
                 batches[-1].append(rec)
                 size += rec.stored
-        for batch in batches:
-            blobs = {r.name: np.empty(r.stored, np.uint8) for r in batch}  # within the unit's size
-            with self._as_damage("the tensors"):
-                self.readers[batch[0].part].read_many([(r.name, blobs[r.name], (0,)) for r in batch if r.stored])
-            for rec in batch:
-                live = self._live_destination(rec, into.get(rec.name))
-                out = self.decoded(rec, blob=blobs.pop(rec.name), remember=False,
-                                   out=None if live is None else live.reshape(-1).view(np.uint8))
-                self._prefetched[rec.name] = out.view(storage_dtype(torch_dtype(rec.dtype))).reshape(rec.shape)
+        with ThreadPoolExecutor(DECODERS, thread_name_prefix="dh-decode") as pool:
+            for batch in batches:
+                blobs = {r.name: np.empty(r.stored, np.uint8) for r in batch}  # within the unit's size
+                with self._as_damage("the tensors"):
+                    self.readers[batch[0].part].read_many([(r.name, blobs[r.name], (0,)) for r in batch if r.stored])
+                # bases are found here, in order (they may read and decode other steps);
+                # the decodes themselves, which touch nothing shared, run on the pool
+                decoding = []
+                for rec in batch:
+                    live = self._live_destination(rec, into.get(rec.name))
+                    out = self._decode_buffer(rec) if live is None else live.reshape(-1).view(np.uint8)
+                    decoding.append(pool.submit(self._decode, rec, blobs.pop(rec.name), out, self._bases_of(rec)))
+                    self._prefetched[rec.name] = out.view(storage_dtype(torch_dtype(rec.dtype))).reshape(rec.shape)
+                for done in decoding:
+                    done.result()
 
     @contextlib.contextmanager
     def _as_damage(self, what: str, detail: str = ""):
@@ -389,15 +344,28 @@ class StepData:
         and a decoded value may become the base of others). ``blob``: its stored bytes,
         already read; ``out``: where to decode it (1-D uint8 of ``rec.nbytes``);
         ``remember``: keep the value as a base of later reads."""
-        bases = [self._base(rec, step) for step in (rec.base, rec.base2) if step is not None]
+        bases = self._bases_of(rec)
+        out = self._decode_buffer(rec) if out is None else out
+        if blob is None:
+            blob = self._read_blob(rec, rec.part, rec.stored)
+        self._decode(rec, blob, out, bases)
+        if remember and self._bases is not None:
+            self._bases.remember(self.row, rec.name, out)
+        return out
+
+    def _bases_of(self, rec: TensorRecord) -> list[np.ndarray]:
+        return [self._base(rec, step) for step in (rec.base, rec.base2) if step is not None]
+
+    def _decode_buffer(self, rec: TensorRecord) -> np.ndarray:
         try:
-            if out is None:
-                out = np.empty(rec.nbytes, np.uint8)
+            return np.empty(rec.nbytes, np.uint8)
         except MemoryError:
             raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} declares "
                                   f"{rec.nbytes} bytes, more than this process can allocate") from None
-        if blob is None:
-            blob = self._read_blob(rec, rec.part, rec.stored)
+
+    def _decode(self, rec: TensorRecord, blob: np.ndarray, out: np.ndarray, bases: list[np.ndarray]) -> None:
+        """Decode ``blob`` into ``out`` against ``bases`` and check the checksum: no state
+        of the store is touched, so several threads may decode at once."""
         try:
             decode(blob, rec.chunks, storage_dtype(torch_dtype(rec.dtype)).itemsize, out, *bases,
                    drop=rec.dropped_bits)
@@ -405,9 +373,6 @@ class StepData:
             raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} cannot be "
                                   f"decoded: {exc}: the stored data is damaged") from None
         self._check(rec, out, rec.checksum)
-        if remember and self._bases is not None:
-            self._bases.remember(self.row, rec.name, out)
-        return out
 
     def _read_blob(self, rec: TensorRecord, part: str, nbytes: int, what: str = "") -> np.ndarray:
         """``nbytes`` stored bytes of ``rec`` from unit ``part``; a failure is damage of it

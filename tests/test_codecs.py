@@ -1,6 +1,7 @@
 """datastates_hist.codecs: lossless round trips, crafted chunk tables, update ratios,
 mantissa rounding, and that encoding releases the GIL; on real blosc2 and trained weights."""
 
+import os
 import threading
 import time
 
@@ -344,9 +345,11 @@ def test_round_mantissa_refuses_values_of_another_dtype():
 
 # -- the GIL -------------------------------------------------------------------------
 
-def test_encoding_releases_the_gil():
-    """A spinner thread keeps counting while add() encodes 64 MiB, but not while the main
-    thread holds the GIL in one long C call."""
+def test_encoding_and_decoding_release_the_gil():
+    """A spinner thread keeps counting while add() encodes 64 MiB and decode() decodes it,
+    but not while the main thread holds the GIL in one long C call. A key (no residual)
+    is all blosc2's compression: it held the GIL unless told not to, and the spinner
+    then ran at about half its rate (with two cores; one core shares it anyway)."""
     data = np.tile(_stored(CURRENT, "float32"), 128)
     base = np.tile(_stored(PREVIOUS, "float32"), 128)
     assert data.size == 64 << 20
@@ -362,21 +365,34 @@ def test_encoding_releases_the_gil():
         work()
         return (count[0] - start_count) / (time.perf_counter() - start)
 
-    def encode():
-        encoder = Encoder("float32", delta=True)
-        encoder.add(data, base)
-        encoder.finish()
+    encoded = {}
 
+    def encode(delta):
+        encoder = Encoder("float32", delta=delta)
+        encoder.add(data, base if delta else None)
+        encoded[delta] = encoder.finish()
+
+    def decode_key():
+        blob, chunks, _ = encoded[False]
+        decode(blob, chunks, 4, out)
+
+    out = np.empty_like(data)
     spinner = threading.Thread(target=spin, daemon=True)
     spinner.start()
     try:
         time.sleep(0.05)
-        encoding = rate(encode)
+        idle = rate(lambda: time.sleep(0.2))
+        delta = rate(lambda: encode(True))
+        key = rate(lambda: encode(False))
+        decoding = rate(decode_key)
         holding = rate(lambda: held.count(b"\x01\x02\x03\x04\x05\x06\x07\x08\x09"))
     finally:
         stop[0] = True
         spinner.join()
-    assert encoding > 4 * holding, (encoding, holding)
+    assert np.array_equal(out, data)
+    assert delta > 4 * holding and key > 4 * holding and decoding > 4 * holding, (delta, key, decoding, holding)
+    if len(os.sched_getaffinity(0)) >= 2:  # the spinner has a core of its own
+        assert min(key, decoding) > 0.7 * idle, (key, decoding, idle)
 
 
 @pytest.mark.parametrize("dtype, np_type", [("float32", np.uint32), ("int64", np.uint64), ("bfloat16", np.uint16),

@@ -159,8 +159,6 @@ class Adios2CollectiveWriter(Adios2StepWriter):
 
 
 class Adios2StepReader(StepReader):
-    parallel_reads = True  # BP5 reads a batch of gets with threads of its own
-
     def __init__(self, path: str):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"step data {path} is missing")

@@ -8,7 +8,9 @@ dtype, so ``h5dump -H`` and h5py show what each dataset is. The root group's
 attribute ``step`` is the step. The manifest is the uint8
 dataset ``__manifest__``. A file per step lets retention delete a step without
 rewriting others, and lets readers open committed steps while the writer
-appends new files. h5py releases the GIL inside its reads and writes.
+appends new files. h5py releases the GIL inside its reads and writes. The reader
+reads a contiguous dataset of the memory's type as the byte range HDF5 reports for it
+(``H5Dget_offset``), the other layouts through h5py.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import h5py
 import numpy as np
@@ -48,6 +51,7 @@ def _file_type(dtype: np.dtype):
     return h5py.h5t.py_create(dtype)
 
 
+DIRECT_THREADS_BYTES = 8 << 20  # a batch read by two threads from this size on
 RESERVE_MARGIN = 64 << 10  # for the file's own metadata, at the start
 
 
@@ -138,6 +142,12 @@ class HDF5StepReader(StepReader):
             raise OSError(f"{path} cannot be opened as HDF5: {exc}") from exc
         self.path = path
         self.hard_links: set[str] = set()  # paths checked to be hard links
+        try:
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            self.file.close()
+            raise
+        self.size = os.fstat(self.fd).st_size
 
     def _dataset(self, name: str):
         """Dataset ``name``, if it and every group on its path are hard links (a soft or
@@ -178,9 +188,13 @@ class HDF5StepReader(StepReader):
             ds.read_direct(out, source_sel=_box(start, out.shape))
 
     def read_many(self, requests):
-        """Whole datasets through h5py's low-level API: the high-level one costs
-        about 0.3 ms per dataset, more than reading a small tensor; the memory type
-        given saves h5py deriving it (a quarter of a small dataset's read)."""
+        """Whole datasets. A contiguous dataset of the memory's own type is a plain byte
+        range of the file: read with ``preadv`` straight into ``out``, by two threads
+        for a batch of several MiB (h5py reads with one; HDF5 serialises its calls).
+        The small GPT's restore from ``/dev/shm``: 63 -> 47-50 ms. Other datasets are
+        read through h5py's low-level API, the memory type given (h5py would derive
+        it on every call)."""
+        direct, through_h5py, nbytes = [], [], 0
         for name, out, start in requests:
             if out.size == 0:
                 continue
@@ -188,9 +202,57 @@ class HDF5StepReader(StepReader):
             shape = dsid.shape
             if shape != out.shape and not (shape == () and out.shape in ((), (1,))):
                 raise ValueError(f"dataset {name} has shape {shape}, expected {out.shape}")
+            offset = self._byte_range(name, dsid, out)
+            if offset is None:
+                through_h5py.append((dsid, out))
+            else:
+                direct.append((name, out, offset))
+                nbytes += out.nbytes
+        for dsid, out in through_h5py:
             dsid.read(h5py.h5s.ALL, h5py.h5s.ALL, out, mtype=_file_type(out.dtype))
+        if nbytes < DIRECT_THREADS_BYTES or len(direct) < 2:
+            for request in direct:
+                self._pread(*request)
+            return
+        # two halves by bytes: preadv releases the GIL, and the copy out of the page
+        # cache (and the first touch of fresh destination pages) runs on both cores
+        half, acc = len(direct), 0
+        for i, (_, out, _) in enumerate(direct):
+            acc += out.nbytes
+            if acc >= nbytes // 2:
+                half = i + 1
+                break
+        with ThreadPoolExecutor(1, thread_name_prefix="dh-hdf5-read") as pool:
+            other = pool.submit(lambda: [self._pread(*r) for r in direct[half:]])
+            for request in direct[:half]:
+                self._pread(*request)
+            other.result()
+
+    def _byte_range(self, name: str, dsid, out: np.ndarray) -> int | None:
+        """The file offset of dataset ``name``'s bytes if they are ``out``'s bytes as they
+        are: contiguous (no filters), allocated, of ``out``'s own type, and inside the
+        file. None where h5py must read it."""
+        offset = dsid.get_offset()
+        if offset is None or not (out.flags.c_contiguous and out.flags.writeable):
+            return None
+        if dsid.get_type() != _file_type(out.dtype):
+            return None
+        if dsid.get_storage_size() != out.nbytes or offset + out.nbytes > self.size:
+            raise ValueError(f"dataset {name} of {self.path} declares {out.nbytes} bytes at offset {offset}, "
+                             f"which the file's {self.size} bytes do not hold")
+        return offset
+
+    def _pread(self, name: str, out: np.ndarray, offset: int) -> None:
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        done = 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n == 0:
+                raise ValueError(f"dataset {name} of {self.path} ends {len(view) - done} bytes early")
+            done += n
 
     def close(self):
+        os.close(self.fd)
         self.file.close()
 
 

@@ -61,10 +61,6 @@ class StepWriter(ABC):
 
 
 class StepReader(ABC):
-    # Whether read_many reads with several threads of its own (ADIOS2's BP5 reader does).
-    # If not, a restore faults fresh destination memory in a second thread meanwhile.
-    parallel_reads = False
-
     @abstractmethod
     def manifest(self) -> bytes: ...
 

@@ -224,8 +224,8 @@ class BackendContract:
                 assert torch.equal(model.weight, seen[step])
 
     def test_optimizer_state_restores_into_fresh_memory_bit_exact(self, run_dir, backend):
-        # 2 x 16 MiB of Adam state read into fresh memory: large enough that a reader of one
-        # thread reads the later half after a second thread faulted it in (store._read_while_faulting)
+        # 2 x 16 MiB of Adam state read into fresh memory: large enough that a reader reads
+        # it on several threads (ADIOS2's own; HDF5's byte ranges, two threads)
         torch.manual_seed(0)
         model = torch.nn.Linear(2048, 2048)
         opt = torch.optim.Adam(model.parameters())
