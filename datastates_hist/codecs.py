@@ -398,8 +398,12 @@ def decode(blob: np.ndarray, chunks: list[list[int]], itemsize: int, out: np.nda
             except (RuntimeError, ValueError) as e:
                 raise ValueError(f"chunk {i} does not decompress: {e}") from None
         if base is not None:
-            residuals.decode(target, base[dst:dst + raw_len],
-                             None if base2 is None else base2[dst:dst + raw_len], drop if flag & SHIFTED else 0)
+            b1, b2 = base[dst:dst + raw_len], None if base2 is None else base2[dst:dst + raw_len]
+            shift = drop if flag & SHIFTED else 0
+            if _fused is not None:  # one pass of the C kernel
+                _fused.unresidual(target, b1, b2, residuals.itemsize, shift)
+            else:
+                residuals.decode(target, b1, b2, shift)
         src += stored_len
         dst += raw_len
 

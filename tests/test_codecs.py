@@ -483,7 +483,8 @@ def test_the_kernel_and_numpy_encode_alike_and_keep_the_piece_where_base2_was(dt
     """The C kernel (residual, update ratio, the anchor's copy in one pass) and numpy give
     the same blob and chunk table, the same piece kept, even in base2's own buffer (as an
     anchor reuses its oldest value's), and the same ratio to float32 rounding."""
-    assert codecs._fused is not None  # tools/install.sh builds it
+    fused = codecs._fused
+    assert fused is not None  # tools/install.sh builds it
     rng = np.random.default_rng(7)
     older, previous, current = (_stored(w, "float32" if dtype == "complex128" else dtype)
                                 for w in (_adam_weights(4)[0], PREVIOUS, CURRENT))
@@ -507,13 +508,30 @@ def test_the_kernel_and_numpy_encode_alike_and_keep_the_piece_where_base2_was(dt
     (blob, chunks, ratio, kept), (blob_np, chunks_np, ratio_np, kept_np) = results["kernel"], results["numpy"]
     assert len(chunks) >= 2 and chunks == chunks_np and np.array_equal(blob, blob_np)
     assert np.array_equal(kept, current) and np.array_equal(kept_np, current)
-    out = np.empty(current.size, np.uint8)
-    decode(blob, chunks, torch_dtype(dtype).itemsize, out, previous, older if extrapolate else None)
-    assert np.array_equal(out, current)
+    for path in ("numpy", "kernel"):  # decoded alike: numpy's passes, the kernel's one
+        if path == "kernel":
+            monkeypatch.setattr(codecs, "_fused", fused)
+        out = np.empty(current.size, np.uint8)
+        decode(blob, chunks, torch_dtype(dtype).itemsize, out, previous, older if extrapolate else None)
+        assert np.array_equal(out, current), path
     if dtype in ("float32", "float64", "bfloat16", "float16"):
         assert ratio == pytest.approx(ratio_np, rel=1e-5) and ratio > 0
     else:
         assert ratio is None and ratio_np is None
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+@pytest.mark.parametrize("extrapolate", [False, True])
+@pytest.mark.parametrize("shift", [0, 3])
+def test_the_kernel_and_numpy_turn_residuals_back_alike(itemsize, extrapolate, shift):
+    """Any bit patterns, wrapping modulo 2**width: the kernel's one pass equals numpy's."""
+    rng = np.random.default_rng(itemsize * 10 + shift)
+    z, b1, b2 = (rng.integers(0, 256, 4099 * itemsize, dtype=np.uint8) for _ in range(3))
+    b2 = b2 if extrapolate else None
+    by_numpy, by_kernel = z.copy(), z.copy()
+    codecs._Residuals(itemsize).decode(by_numpy, b1, b2, shift)
+    codecs._fused.unresidual(by_kernel, b1, b2, itemsize, shift)
+    assert np.array_equal(by_kernel, by_numpy)
 
 
 def test_the_kernel_refuses_buffers_that_differ_or_partial_elements():
@@ -526,3 +544,11 @@ def test_the_kernel_refuses_buffers_that_differ_or_partial_elements():
         codecs._fused.residual(x, x, None, np.empty(16, np.uint8), None, 8, 1)
     with pytest.raises(ValueError, match="read-only"):  # out must be writable
         codecs._fused.residual(x, x, None, np.frombuffer(bytes(16), np.uint8), None, 4, 1)
+    with pytest.raises(ValueError, match="^unresidual: the buffers differ in size$"):
+        codecs._fused.unresidual(x, x, x[:8], 4, 0)
+    with pytest.raises(ValueError, match="^unresidual needs whole elements of 1, 2, 4 or 8 bytes$"):
+        codecs._fused.unresidual(x[:6], x[:6], None, 4, 0)
+    with pytest.raises(ValueError, match="^unresidual: the shift must be less than the element's bits$"):
+        codecs._fused.unresidual(x, x, None, 4, 32)
+    with pytest.raises(ValueError, match="read-only"):
+        codecs._fused.unresidual(np.frombuffer(bytes(16), np.uint8), x, None, 4, 0)
