@@ -209,14 +209,15 @@ class StepData:
                     self.readers[batch[0].part].read_many([(r.name, blobs[r.name], (0,)) for r in batch if r.stored])
                 # bases are found here, in order (they may read and decode other steps);
                 # the decodes themselves, which touch nothing shared, run on the pool
-                decoding = []
+                decoding, decoded = [], {}
                 for rec in batch:
                     live = self._live_destination(rec, into.get(rec.name))
                     out = self._decode_buffer(rec) if live is None else live.reshape(-1).view(np.uint8)
                     decoding.append(pool.submit(self._decode, rec, blobs.pop(rec.name), out, self._bases_of(rec)))
-                    self._prefetched[rec.name] = out.view(storage_dtype(torch_dtype(rec.dtype))).reshape(rec.shape)
+                    decoded[rec.name] = out.view(storage_dtype(torch_dtype(rec.dtype))).reshape(rec.shape)
                 for done in decoding:
                     done.result()
+                self._prefetched.update(decoded)  # each checked: a failed batch leaves none
 
     @contextlib.contextmanager
     def _as_damage(self, what: str, detail: str = ""):

@@ -98,3 +98,30 @@ def test_datasets_another_tool_rewrote_read_back_the_same(run_dir):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
     for p, q in zip(opt.state.values(), fresh_opt.state.values()):
         assert all(torch.equal(p[k], q[k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_a_reader_reads_the_file_it_opened_and_closes_it_once(run_dir):
+    """The byte ranges come from the file HDF5 opened, even if a newer file has taken
+    its path since; a second close() closes nothing (the fd may belong to another file)."""
+    from datastates_hist.backends.hdf5 import HDF5StepReader
+
+    model = torch.nn.Linear(64, 32)
+    with dh.Checkpointer(run_dir, backend="hdf5", codec="raw") as ckpt:
+        ckpt.write(1, model)
+    path = os.path.join(run_dir, "steps", "000000000001.h5")
+    reader = HDF5StepReader(path)
+    replaced = path + ".new"
+    shutil.copy(path, replaced)
+    with h5py.File(replaced, "r+") as f:
+        f["model/weight"][...] = 0
+    os.replace(replaced, path)
+    out = np.empty((32, 64), np.float32)
+    reader.read_many([("model/weight", out, (0, 0))])
+    assert torch.equal(torch.from_numpy(out), model.weight.detach())
+    reader.close()
+    other = os.open(path, os.O_RDONLY)  # likely the number the reader had
+    try:
+        reader.close()
+        assert os.fstat(other).st_size == os.path.getsize(path)
+    finally:
+        os.close(other)

@@ -627,6 +627,40 @@ def test_hdf5_data_stored_outside_the_file_is_refused(tmp_path):
         h.read("model/weight", 2)
 
 
+def test_hdf5_external_storage_that_also_names_an_address_in_the_file_is_refused(tmp_path):
+    """A crafted layout may name external storage and an address in this file at once:
+    HDF5 then reports the address (as a contiguous dataset's) but reads the external file."""
+    import struct
+
+    from hdf5_headers import fix_header_checksum
+
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, "hdf5", codec="raw")
+    outside = tmp_path / "outside.bin"
+    np.full(128, 7, np.float32).tofile(outside)
+    path = os.path.join(run_dir, "steps", unit(2, "hdf5"))
+    with h5py.File(path, "r+", libver="latest") as f:  # a version 2 header: checksummed
+        bias_at = f["model/bias"].id.get_offset()
+        del f["model/weight"]
+        f.create_dataset("model/weight", shape=(4, 32), dtype=np.float32, external=[(str(outside), 0, 512)])
+    data = bytearray(open(path, "rb").read())
+    # the layout message, version 3, contiguous: an undefined address, then the size
+    layout = b"\x03\x01" + b"\xff" * 8 + struct.pack("<Q", 512)
+    assert data.count(layout) == 1
+    at = data.find(layout)
+    data[at + 2:at + 10] = struct.pack("<Q", bias_at)
+    fix_header_checksum(data, at)
+    open(path, "wb").write(bytes(data))
+    with h5py.File(path, "r") as f:  # HDF5 takes it, and reads the outside file
+        assert f["model/weight"].id.get_offset() == bias_at and (f["model/weight"][()] == 7).all()
+    expected = (f"tensor 'model/weight' of step 2 in {run_dir} cannot be read: dataset 'model/weight' "
+                f"of {path} stores its data outside the file")
+    for read in (lambda h: h.read("model/weight", 2), lambda h: h.read("model/weight", 2, index=(slice(0, 2),))):
+        with dh.open(run_dir) as h, pytest.raises(dh.CorruptionError) as caught:
+            read(h)
+        assert str(caught.value) == expected
+
+
 def test_an_hdf5_manifest_declaring_more_than_its_file_stores_is_refused(tmp_path):
     run_dir = str(tmp_path / "run")
     make_run(run_dir, "hdf5")

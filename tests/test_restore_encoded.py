@@ -82,3 +82,30 @@ def test_encoded_tensors_are_read_in_batches_of_bounded_size(run_dir, monkeypatc
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
     names = sum(batches, [])
     assert len(batches) >= 6 and len(names) == len(set(names)) and "model/0.weight" in names
+
+
+def test_a_failed_prefetch_leaves_nothing_a_later_read_would_return_unchecked(run_dir):
+    """The tensors of a batch whose decode failed are not kept as prefetched: a read of
+    the damaged one afterwards fails again, by name; an intact one reads exact."""
+    import glob
+
+    import h5py
+
+    from datastates_hist.store import Store
+
+    model, _ = train(run_dir, "hdf5", codec="key", steps=1)
+    (unit,) = glob.glob(f"{run_dir}/steps/*.h5")
+    with h5py.File(unit, "r+") as f:
+        blob = f["model/0.weight"][...]
+        blob[len(blob) // 2:len(blob) // 2 + 64] ^= 0x5A
+        f["model/0.weight"][...] = blob
+    store = Store(run_dir)
+    try:
+        with store.open_step(0) as data:
+            with pytest.raises(CorruptionError, match=r"^tensor 'model/0\.weight' of step 0"):
+                data.prefetch(["model/0.weight", "model/2.weight"])
+            with pytest.raises(CorruptionError, match=r"^tensor 'model/0\.weight' of step 0"):
+                data.read("model/0.weight")
+            assert torch.equal(data.read("model/2.weight"), model[2].weight.detach())
+    finally:
+        store.close()

@@ -142,9 +142,9 @@ class HDF5StepReader(StepReader):
             raise OSError(f"{path} cannot be opened as HDF5: {exc}") from exc
         self.path = path
         self.hard_links: set[str] = set()  # paths checked to be hard links
-        try:
-            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
+        try:  # the file HDF5 opened (a second open of the path might find a newer file there)
+            self.fd = os.dup(self.file.id.get_vfd_handle())
+        except (OSError, TypeError, ValueError):
             self.file.close()
             raise
         self.size = os.fstat(self.fd).st_size
@@ -164,8 +164,8 @@ class HDF5StepReader(StepReader):
                 raise ValueError(f"{self.path} holds {what} at {path!r}; step files hold only their own datasets")
             self.hard_links.add(path)
         dsid = h5py.h5d.open(self.file.id, name.encode())
-        if dsid.get_offset() is not None:  # contiguous in this file: a tenth of the check below
-            return dsid
+        # always (10 us a dataset): a crafted layout may name external storage and an
+        # address in this file at once, and HDF5 reads the external storage
         plist = dsid.get_create_plist()
         if plist.get_external_count() or plist.get_layout() == h5py.h5d.VIRTUAL:
             raise ValueError(f"dataset {name!r} of {self.path} stores its data outside the file")
@@ -252,7 +252,9 @@ class HDF5StepReader(StepReader):
             done += n
 
     def close(self):
-        os.close(self.fd)
+        if self.fd >= 0:  # once: the number may belong to another file afterwards
+            os.close(self.fd)
+            self.fd = -1
         self.file.close()
 
 
