@@ -659,6 +659,10 @@ def test_hdf5_external_storage_that_also_names_an_address_in_the_file_is_refused
         with dh.open(run_dir) as h, pytest.raises(dh.CorruptionError) as caught:
             read(h)
         assert str(caught.value) == expected
+    # a restore reads byte ranges of the file itself: the address's bytes, which the checksum refuses
+    with dh.Checkpointer(run_dir) as ckpt, pytest.raises(dh.CorruptionError, match=(
+            f"^tensor 'model/weight' of step 2 in {run_dir} does not match its checksum")):
+        ckpt.restore(2, model=torch.nn.Linear(32, 4))
 
 
 def test_an_hdf5_manifest_declaring_more_than_its_file_stores_is_refused(tmp_path):

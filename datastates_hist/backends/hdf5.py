@@ -149,10 +149,11 @@ class HDF5StepReader(StepReader):
             raise
         self.size = os.fstat(self.fd).st_size
 
-    def _dataset(self, name: str):
+    def _dataset(self, name: str, through_hdf5: bool = True):
         """Dataset ``name``, if it and every group on its path are hard links (a soft or
-        external link may lead to other data or another file), and its bytes lie in this
-        file (external storage or a virtual layout would read other files)."""
+        external link may lead to other data or another file), and, if it is to be read
+        ``through_hdf5``, its bytes lie in this file (external storage or a virtual
+        layout would read other files; a byte range of this file cannot)."""
         parts = name.split("/")
         for end in range(1, len(parts) + 1):
             path = "/".join(parts[:end])
@@ -164,12 +165,16 @@ class HDF5StepReader(StepReader):
                 raise ValueError(f"{self.path} holds {what} at {path!r}; step files hold only their own datasets")
             self.hard_links.add(path)
         dsid = h5py.h5d.open(self.file.id, name.encode())
-        # always (10 us a dataset): a crafted layout may name external storage and an
-        # address in this file at once, and HDF5 reads the external storage
+        if through_hdf5:
+            self._check_inside(name, dsid)
+        return dsid
+
+    def _check_inside(self, name: str, dsid) -> None:
+        # whatever H5Dget_offset says (10 us a dataset): a crafted layout may name external
+        # storage and an address in this file at once, and HDF5 reads the external storage
         plist = dsid.get_create_plist()
         if plist.get_external_count() or plist.get_layout() == h5py.h5d.VIRTUAL:
             raise ValueError(f"dataset {name!r} of {self.path} stores its data outside the file")
-        return dsid
 
     def manifest(self) -> bytes:
         dsid = self._dataset(MANIFEST)
@@ -198,12 +203,13 @@ class HDF5StepReader(StepReader):
         for name, out, start in requests:
             if out.size == 0:
                 continue
-            dsid = self._dataset(name)
+            dsid = self._dataset(name, through_hdf5=False)
             shape = dsid.shape
             if shape != out.shape and not (shape == () and out.shape in ((), (1,))):
                 raise ValueError(f"dataset {name} has shape {shape}, expected {out.shape}")
             offset = self._byte_range(name, dsid, out)
             if offset is None:
+                self._check_inside(name, dsid)
                 through_h5py.append((dsid, out))
             else:
                 direct.append((name, out, offset))
