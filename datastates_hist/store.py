@@ -202,6 +202,9 @@ class StepData:
                     size = 0
                 batches[-1].append(rec)
                 size += rec.stored
+        if self._bases is not None:  # the deltas' bases, a step at a time (else one by one)
+            self._bases.warm_bases([(step, r.name) for r in wanted for step in (r.base, r.base2)
+                                    if step is not None and step < self.row.step])
         with ThreadPoolExecutor(DECODERS, thread_name_prefix="dh-decode") as pool:
             for batch in batches:
                 blobs = {r.name: np.empty(r.stored, np.uint8) for r in batch}  # within the unit's size
@@ -558,6 +561,37 @@ class Store:
                 raise StepNotFoundError(f"step {needed_by} was removed from {self.run_dir} while it "
                                         "was being read") from None
             raise
+
+    def warm_bases(self, wanted: list[tuple[int, str]]) -> None:
+        """Decode the bases ``(step, name)``, and the bases they need in turn, into the
+        remembered values a step at a time, lowest first: each step's tensors in one
+        batch (:meth:`StepData.prefetch`) instead of a read per tensor and step. Best
+        effort: on damage it stops, and :meth:`base` then reads tensor by tensor, naming
+        the damage where it lies."""
+        try:
+            with self._bases_lock:
+                by_step: dict[int, dict[str, None]] = {}  # the values to decode, in order
+                todo = list(dict.fromkeys(wanted))
+                while todo:  # down the chains, to values remembered or of no base
+                    step, name = todo.pop()
+                    if name in by_step.get(step, ()):
+                        continue
+                    data, rec, cached = self._base_record(step, name)
+                    if cached is None:
+                        by_step.setdefault(step, {})[name] = None
+                        todo += [(b, name) for b in (rec.base, rec.base2) if b is not None and b < step]
+                for step in sorted(by_step):
+                    names = [n for n in by_step[step] if self._base_record(step, n)[2] is None]
+                    if not names:
+                        continue
+                    data = self._base_record(step, names[0])[0]
+                    data.prefetch(names)
+                    for name in names:  # what prefetch leaves to read() (blocks, low bits), base() reads
+                        value = data._prefetched.pop(name, None)
+                        if value is not None:
+                            self.remember(data.row, name, value.reshape(-1).view(np.uint8))
+        except (OSError, LookupError, ValueError, MemoryError):  # CorruptionError, StepNotFoundError
+            pass
 
     def _base_record(self, step: int, name: str) -> tuple[StepData, TensorRecord | None, np.ndarray | None]:
         """The open main unit of ``step``, the record of ``name`` in it, and its decoded

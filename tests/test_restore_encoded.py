@@ -109,3 +109,31 @@ def test_a_failed_prefetch_leaves_nothing_a_later_read_would_return_unchecked(ru
             assert torch.equal(data.read("model/2.weight"), model[2].weight.detach())
     finally:
         store.close()
+
+
+def test_the_bases_of_a_restore_are_read_a_step_at_a_time(run_dir, monkeypatch):
+    """Step 4's deltas need steps 0-3 of each tensor: each of those steps is read in one
+    batch (read_many), none tensor by tensor (read), and the restore is exact."""
+    from datastates_hist.backends.adios2_bp5 import Adios2StepReader
+
+    model, opt = train(run_dir, "adios2", codec="delta", steps=5)
+    one_by_one, batches, read, read_many = [], [], Adios2StepReader.read, Adios2StepReader.read_many
+
+    def read_one(self, name, out, start, part=None):
+        one_by_one.append(name)
+        read(self, name, out, start, part)
+
+    def read_batch(self, requests):
+        batches.append(len(requests))
+        read_many(self, requests)
+
+    monkeypatch.setattr(Adios2StepReader, "read", read_one)
+    monkeypatch.setattr(Adios2StepReader, "read_many", read_batch)
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    with dh.Checkpointer(run_dir) as ckpt:
+        assert ckpt.restore(model=fresh, optimizer=fresh_opt).step == 4
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"])
+    assert one_by_one == [] and len(batches) <= 5 + 2, batches  # steps 0-3, then step 4's units
