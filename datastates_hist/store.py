@@ -576,11 +576,13 @@ class Store:
                     step, name = todo.pop()
                     if name in by_step.get(step, ()):
                         continue
-                    data, rec, cached = self._base_record(step, name)
+                    _, rec, cached = self._base_record(step, name)
                     if cached is None:
                         by_step.setdefault(step, {})[name] = None
                         todo += [(b, name) for b in (rec.base, rec.base2) if b is not None and b < step]
                 for step in sorted(by_step):
+                    # again: another thread's read may have remembered some meanwhile, and the
+                    # step may have been closed as one of more than OPEN_BASES opened above
                     names = [n for n in by_step[step] if self._base_record(step, n)[2] is None]
                     if not names:
                         continue
