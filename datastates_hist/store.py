@@ -207,9 +207,8 @@ class StepData:
                                     if step is not None and step < self.row.step])
         with ThreadPoolExecutor(DECODERS, thread_name_prefix="dh-decode") as pool:
             for batch in batches:
-                blobs = {r.name: np.empty(r.stored, np.uint8) for r in batch}  # within the unit's size
                 with self._as_damage("the tensors"):
-                    self.readers[batch[0].part].read_many([(r.name, blobs[r.name], (0,)) for r in batch if r.stored])
+                    blobs = self._read_blobs(batch)
                 # bases are found here, in order (they may read and decode other steps);
                 # the decodes themselves, which touch nothing shared, run on the pool
                 decoding, decoded = [], {}
@@ -378,13 +377,27 @@ class StepData:
                                   f"decoded: {exc}: the stored data is damaged") from None
         self._check(rec, out, rec.checksum)
 
+    def _read_blobs(self, batch: list[TensorRecord]) -> dict[str, np.ndarray]:
+        """The encoded bytes of ``batch`` (records of one unit): views of the mapped file
+        where the backend maps it, the others read in one batch."""
+        reader = self.readers[batch[0].part]
+        blobs = reader.mapped_bytes([(r.name, r.stored) for r in batch])
+        unmapped = {r.name: np.empty(r.stored, np.uint8) for r in batch if r.name not in blobs}  # within the unit's size
+        reader.read_many([(name, blob, (0,)) for name, blob in unmapped.items() if blob.size])
+        blobs.update(unmapped)
+        return blobs
+
     def _read_blob(self, rec: TensorRecord, part: str, nbytes: int, what: str = "") -> np.ndarray:
         """``nbytes`` stored bytes of ``rec`` from unit ``part``; a failure is damage of it
         (a value decoded as a base is read here, with no caller to name the tensor)."""
-        blob = np.empty(nbytes, np.uint8)  # within the unit's size (_check_stored_bytes)
-        if nbytes:
-            with self._as_damage(f"tensor {rec.name!r}", what):
-                self.readers[part].read(rec.name, blob, (0,))
+        reader = self.readers[part]
+        if not nbytes:
+            return np.empty(0, np.uint8)
+        with self._as_damage(f"tensor {rec.name!r}", what):
+            blob = reader.mapped_bytes([(rec.name, nbytes)]).get(rec.name)
+            if blob is None:
+                blob = np.empty(nbytes, np.uint8)  # within the unit's size (_check_stored_bytes)
+                reader.read(rec.name, blob, (0,))
         return blob
 
     def _base(self, rec: TensorRecord, step: int) -> np.ndarray:

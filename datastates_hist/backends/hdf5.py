@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -148,6 +149,7 @@ class HDF5StepReader(StepReader):
             self.file.close()
             raise
         self.size = os.fstat(self.fd).st_size
+        self._map: mmap.mmap | None = None
 
     def _dataset(self, name: str, through_hdf5: bool = True):
         """Dataset ``name``, if it and every group on its path are hard links (a soft or
@@ -238,15 +240,38 @@ class HDF5StepReader(StepReader):
         """The file offset of dataset ``name``'s bytes if they are ``out``'s bytes as they
         are: contiguous (no filters), allocated, of ``out``'s own type, and inside the
         file. None where h5py must read it."""
+        if not (out.flags.c_contiguous and out.flags.writeable):
+            return None
+        return self._offset(name, dsid, out.dtype, out.nbytes)
+
+    def _offset(self, name: str, dsid, dtype: np.dtype, nbytes: int) -> int | None:
         offset = dsid.get_offset()
-        if offset is None or not (out.flags.c_contiguous and out.flags.writeable):
+        if offset is None or dsid.get_type() != _file_type(dtype):
             return None
-        if dsid.get_type() != _file_type(out.dtype):
-            return None
-        if dsid.get_storage_size() != out.nbytes or offset + out.nbytes > self.size:
-            raise ValueError(f"dataset {name} of {self.path} declares {out.nbytes} bytes at offset {offset}, "
+        if dsid.get_storage_size() != nbytes or offset + nbytes > self.size:
+            raise ValueError(f"dataset {name} of {self.path} declares {nbytes} bytes at offset {offset}, "
                              f"which the file's {self.size} bytes do not hold")
         return offset
+
+    def mapped_bytes(self, requests):
+        """Contiguous uint8 datasets as views of the file mapped read-only: a restore's
+        encoded blobs are decoded from the page cache, neither copied nor staged in fresh
+        memory (the small GPT's blobs: 36 ms of reads on two threads -> 4 ms). The file
+        was checked to hold each range; like any mapped file (``torch.load(mmap=True)``,
+        safetensors), one that another program truncates while it is read ends the
+        process with SIGBUS."""
+        views = {}
+        for name, nbytes in requests:
+            if nbytes == 0:
+                continue
+            dsid = self._dataset(name, through_hdf5=False)
+            offset = self._offset(name, dsid, np.dtype(np.uint8), nbytes) if dsid.shape == (nbytes,) else None
+            if offset is None:
+                continue  # read_many reads it, or names what is wrong with it
+            if self._map is None:
+                self._map = mmap.mmap(self.fd, 0, prot=mmap.PROT_READ)  # its own dup of the fd
+            views[name] = np.frombuffer(self._map, np.uint8, nbytes, offset)
+        return views
 
     def _pread(self, name: str, out: np.ndarray, offset: int) -> None:
         view = memoryview(out.reshape(-1).view(np.uint8))
@@ -258,6 +283,7 @@ class HDF5StepReader(StepReader):
             done += n
 
     def close(self):
+        self._map = None  # unmapped once the last view of it is gone
         if self.fd >= 0:  # once: the number may belong to another file afterwards
             os.close(self.fd)
             self.fd = -1

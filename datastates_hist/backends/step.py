@@ -72,6 +72,12 @@ class StepReader(ABC):
         for name, out, start in requests:
             self.read(name, out, start)
 
+    def mapped_bytes(self, requests: list[tuple[str, int]]) -> dict[str, np.ndarray]:
+        """Read-only views of whole one-dimensional uint8 datasets ``(name, nbytes)``,
+        for those whose bytes the backend can map from the file instead of copying them;
+        the others are read with :meth:`read_many`. A view stays valid after :meth:`close`."""
+        return {}
+
     @abstractmethod
     def close(self) -> None: ...
 

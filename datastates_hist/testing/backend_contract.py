@@ -335,6 +335,25 @@ class BackendContract:
         assert sorted(os.listdir(steps_dir(run_dir)))[-1].startswith("000000000003")
         assert not any(f.endswith(".partial") for f in os.listdir(steps_dir(run_dir)))
 
+    def test_mapped_bytes_are_the_stored_bytes_and_outlive_the_reader(self, run_dir, backend):
+        """Encoded bytes a backend gives as views of its mapped file (``mapped_bytes``) are
+        the bytes ``read_many`` reads, read-only, and still valid once the reader is closed."""
+        with dh.Checkpointer(run_dir, backend=backend, codec="key") as ckpt:
+            ckpt.write(0, torch.nn.Linear(2, 2), data={"big": torch.arange(1 << 16, dtype=torch.float32)})
+        store = Store(run_dir)
+        with store.open_step(0) as data:
+            records = [r for r in data.records.values() if r.encoding == "key" and r.stored]
+            assert "extra/data/big" in {r.name for r in records}
+            reader = data.readers[""]
+            mapped = reader.mapped_bytes([(r.name, r.stored) for r in records])
+            read = {r.name: np.empty(r.stored, np.uint8) for r in records}
+            reader.read_many([(name, out, (0,)) for name, out in read.items()])
+        store.close()
+        assert set(mapped) <= set(read)
+        for name, view in mapped.items():
+            assert not view.flags.writeable and view.dtype == np.uint8
+            assert view.tobytes() == read[name].tobytes(), name
+
     @pytest.mark.parametrize("codec", CODECS)
     def test_index_and_manifest_agree(self, run_dir, backend, codec):
         model = torch.nn.Linear(3, 2)
