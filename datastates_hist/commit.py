@@ -249,16 +249,49 @@ def remove_uncommitted(steps_dir: str, index: Index) -> list[str]:
     symbolic link is unlinked, never followed: its target is not the run's.
     """
     # a row naming other data (a damaged index) must not get its step's own unit deleted
-    committed = set()
+    committed, rows = set(), {}
     for row in index.step_rows():
         committed.add(check_location(index.run_dir, row))
+        rows[row.step] = row
         if row.tier == "restore":
             committed.add(restore_unit(row.location))
     unnamed = [e for e in sorted(os.listdir(steps_dir)) if e not in committed]
     _refuse_units_older_than_index(index, steps_dir, unnamed)
+    _refuse_units_of_committed_steps(index, steps_dir, unnamed, rows)
     for entry in unnamed:
         remove_tree(os.path.join(steps_dir, entry))  # a link itself, never its target
     return unnamed
+
+
+def _refuse_units_of_committed_steps(index: Index, steps_dir: str, unnamed: list[str],
+                                     rows: dict[int, StepRow]) -> None:
+    """A finished unit of a committed step that its row does not name is left by one
+    thing only: a demotion cut short (the row says trajectory and has no rows of the
+    restore unit any more; the unit is then deleted). Any other is a row that lies
+    about its own step (its location or tier damaged): nothing is deleted."""
+    restore_rows = index.steps_with_restore_rows()
+    kept = []
+    for entry in unnamed:
+        step = _step_of_unit(entry)
+        row = rows.get(step) if step is not None and not entry.endswith(PARTIAL) else None
+        if row is None:
+            continue
+        demoted = row.tier == "trajectory" and entry == restore_unit(row.location) and step not in restore_rows
+        if not demoted:
+            kept.append((entry, row))
+    if kept:
+        run_dir = os.path.dirname(steps_dir)
+        entry, row = kept[0]
+        raise CorruptionError(
+            f"the index of {run_dir} says step {row.step} is a {row.tier} step stored as {row.location}, but "
+            f"{entry} of that step is there too ({len(kept)} such unit(s)): the index is damaged, so they may be "
+            f"committed data; nothing was changed. Rebuild the index with: datastates-hist repair {run_dir}")
+
+
+def _step_of_unit(entry: str) -> int | None:
+    """The step a unit's name says (``000000000012.bp``, ``000000000012.restore.h5``), or None."""
+    stem = entry.partition(".")[0]
+    return int(stem) if stem.isascii() and stem.isdigit() else None
 
 
 def _refuse_units_older_than_index(index: Index, steps_dir: str, unnamed: list[str]) -> None:

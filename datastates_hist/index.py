@@ -295,6 +295,10 @@ class Index:
                 " WHERE step=?), ntensors=(SELECT COUNT(*) FROM tensors WHERE step=?) WHERE step=?",
                 (step, step, step))
 
+    def steps_with_restore_rows(self) -> set[int]:
+        """The steps whose restore unit has tensor rows (a demotion drops them)."""
+        return {step for (step,) in self.conn.execute("SELECT DISTINCT step FROM tensors WHERE part='restore'")}
+
     def restore_rows(self) -> list[StepRow]:
         """The rows of the restore points (every step that is not a trajectory point)."""
         return [StepRow(*r) for r in self._read("SELECT * FROM steps WHERE tier <> 'trajectory' ORDER BY step")]
@@ -363,8 +367,12 @@ class Index:
         return [r[0] for r in self._read("PRAGMA integrity_check")]
 
     def record_keys(self, step: int) -> list[tuple]:
-        """``(name, dtype, shape as JSON, nbytes, checksum)`` of the tensors of ``step``, as stored."""
-        return self._read("SELECT name, dtype, shape, nbytes, checksum FROM tensors WHERE step=?", (step,))
+        """``(name, dtype, shape as JSON, nbytes, checksum, encoding, base)`` of the tensors of
+        ``step``, as stored (an index of format 1 has neither encoding nor base: raw, None)."""
+        encoding = "encoding" if "encoding" in self._tensor_columns else "'raw'"
+        base = "base" if "base" in self._tensor_columns else "NULL"
+        return self._read(f"SELECT name, dtype, shape, nbytes, checksum, {encoding}, {base} FROM tensors WHERE step=?",
+                          (step,))
 
     def tensor_stats(self, name: str) -> list[tuple]:
         """``(step, time, norm, min, max, mean, std, nonfinite, update_ratio)`` of tensor ``name``

@@ -500,9 +500,12 @@ class _AcceptedUnits:
                     raise CorruptionError(f"tensor {rec.name!r} is a delta against step {base}, which has no "
                                           "intact unit before it (it is missing or damaged): it cannot be decoded")
 
-    def base(self, step: int, name: str, needed_by: int | None = None) -> np.ndarray:
+    def base(self, step: int, name: str, needed_by: int | None = None, pinned: dict | None = None,
+             keep=()) -> np.ndarray:
         """The stored bytes of tensor ``name`` at ``step``, from a unit accepted by this
-        repair (``needed_by``, the delta's step, is not needed: no writer runs meanwhile)."""
+        repair (``needed_by``, the delta's step, is not needed: no writer runs meanwhile;
+        nor are ``pinned`` and ``keep``: units are checked in step order, so a delta's
+        bases are the values kept last)."""
         row = self.rows.get(step)
         if row is None:
             raise CorruptionError(f"a delta of tensor {name!r} is against step {step}, which has no intact unit")

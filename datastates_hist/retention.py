@@ -408,4 +408,27 @@ def prune_index(run_dir: str, index: Index, rules: Iterable, dry_run: bool = Fal
     victims = prunable(index, rules)
     if dry_run or not victims:
         return victims
+    _check_kept_steps(run_dir, index, victims)
     return remove_steps(run_dir, index, victims)
+
+
+def _check_kept_steps(run_dir: str, index: Index, victims: list[int]) -> None:
+    """Refuse (nothing deleted) unless every step kept after the first victim opens with
+    its manifest and index rows agreeing: the bases kept are the ones the index names,
+    and a kept delta whose manifest names another would lose its base."""
+    from .errors import CorruptionError
+    from .store import Store
+
+    doomed = set(victims)
+    store = Store(run_dir)
+    try:
+        for step in index.steps():
+            if step > min(victims) and step not in doomed:
+                try:
+                    with store.open_step(step):
+                        pass
+                except CorruptionError as exc:
+                    raise CorruptionError(f"nothing was pruned: step {step}, which stays, cannot be checked: {exc}; "
+                                          f"check the run with: datastates-hist verify {run_dir}") from None
+    finally:
+        store.close()

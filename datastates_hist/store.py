@@ -63,6 +63,10 @@ BATCH_BYTES = 256 << 20
 DECODERS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
+def _encoded(encoding: str, base: int | None) -> str:
+    return encoding if base is None else f"{encoding} against step {base}"
+
+
 class UnreadableBase(CorruptionError):
     """A delta's base cannot be read (the base's own damage says why)."""
 
@@ -71,8 +75,8 @@ class StepData:
     """An open step: its records and plain values, and verified tensor reads.
 
     ``restore_reader``: the reader of a restore point's restore unit. ``bases``:
-    where a delta's base is read (``bases.base(step, name, needed_by)`` -> its stored
-    bytes; ``needed_by``: the step of the delta) and decoded values are remembered
+    where a delta's base is read (``bases.base(step, name, needed_by, pinned, keep)`` -> its
+    stored bytes; ``needed_by``: the step of the delta) and decoded values are remembered
     (``bases.remember(row, name, bytes)``): the :class:`Store` that opened the step."""
 
     def __init__(self, run_dir: str, row: StepRow, reader: StepReader,
@@ -87,6 +91,8 @@ class StepData:
             if restore_reader is not None:
                 self._add_restore_unit(restore_reader, doc)
             else:  # a trajectory point (or a main unit read alone): rounded tensors as rounded
+                if row.tier == "full":
+                    self._check_one_unit(doc)
                 for rec in self.records.values():
                     rec.without_low_bits()
             # the objects whose tensors lie (or lay) in the restore unit: a trajectory point lacks them
@@ -115,6 +121,18 @@ class StepData:
         if checksum_bytes(raw) != checksum:
             raise CorruptionError(f"{what} does not match its checksum: the step's data is damaged")
         return raw
+
+    def _check_one_unit(self, doc: dict) -> None:
+        """A step of one unit (tier ``full``) has no restore unit and no rounded tensor
+        (only a restore point of two units rounds the tensors its trajectory point keeps):
+        one that does is a restore or trajectory point whose index row says otherwise,
+        and reading it as whole would take rounded values for exact ones."""
+        rounded = next((r for r in self.records.values() if r.keep_bits is not None), None)
+        if "restore_unit" in doc or rounded is not None:
+            what = (f"tensor {rounded.name!r} is rounded to {rounded.keep_bits} mantissa bits" if rounded is not None
+                    else "it names a restore unit")
+            raise ValueError(f"{what}, but the index says the step is stored whole, in one unit: "
+                             "the index or the step's data is damaged")
 
     def _add_restore_unit(self, reader: StepReader, doc: dict) -> None:
         """The restore unit's tensors, its manifest checked against the main one's record of it."""
@@ -165,10 +183,12 @@ class StepData:
             return torch.from_numpy(self._prefetched.pop(name)).view(torch_dtype(rec.dtype))
         return self._tensor(rec, (0,) * len(rec.shape), rec.shape, verify)
 
-    def prefetch(self, names, into: dict[str, torch.Tensor] | None = None) -> None:
+    def prefetch(self, names, into: dict[str, torch.Tensor] | None = None, bases: dict | None = None) -> None:
         """Read these whole tensors together (one batch for the backend), checksums
         verified; each later :meth:`read` of one of them returns it once. ``into``:
-        tensors to read straight into (contiguous, CPU, of the stored dtype and shape)."""
+        tensors to read straight into (contiguous, CPU, of the stored dtype and shape).
+        ``bases``: decoded values of the deltas' bases, ``(step, name) -> bytes``, that
+        the caller holds (the others are read)."""
         into = into or {}
         wanted = [self.records[n] for n in names if n in self.records and n not in self._prefetched]
         wanted = [r for r in wanted if r.blocks is None and math.prod(r.shape)]
@@ -176,7 +196,7 @@ class StepData:
         for part in {r.part for r in raw}:  # one batch per unit
             self._prefetch([r for r in raw if r.part == part], into, self.readers[part])
         # a rounded tensor with its low bits is read alone (read()), from both units
-        self._prefetch_encoded([r for r in wanted if r.encoding != "raw" and not r.has_low_bits], into)
+        self._prefetch_encoded([r for r in wanted if r.encoding != "raw" and not r.has_low_bits], into, bases)
 
     def _prefetch(self, wanted: list[TensorRecord], into: dict, reader: StepReader) -> None:
         outs = [self._live_destination(r, into.get(r.name)) for r in wanted]
@@ -189,7 +209,7 @@ class StepData:
             self._check(rec, out, rec.checksum)
             self._prefetched[rec.name] = out
 
-    def _prefetch_encoded(self, wanted: list[TensorRecord], into: dict) -> None:
+    def _prefetch_encoded(self, wanted: list[TensorRecord], into: dict, bases: dict | None = None) -> None:
         """Encoded tensors: their stored bytes read in batches (per unit, of at most
         :data:`BATCH_BYTES`), then each decoded straight into its destination (a tensor of
         ``into``, or fresh memory). Not remembered as bases: the caller owns what it reads."""
@@ -202,9 +222,9 @@ class StepData:
                     size = 0
                 batches[-1].append(rec)
                 size += rec.stored
-        if self._bases is not None:  # the deltas' bases, a step at a time (else one by one)
-            self._bases.warm_bases([(step, r.name) for r in wanted for step in (r.base, r.base2)
-                                    if step is not None and step < self.row.step])
+        if bases is None and self._bases is not None:  # the deltas' bases, a step at a time
+            bases = self._bases.warm_bases([(step, r.name) for r in wanted for step in (r.base, r.base2)
+                                            if step is not None and step < self.row.step])
         with ThreadPoolExecutor(DECODERS, thread_name_prefix="dh-decode") as pool:
             for batch in batches:
                 with self._as_damage("the tensors"):
@@ -215,7 +235,8 @@ class StepData:
                 for rec in batch:
                     live = self._live_destination(rec, into.get(rec.name))
                     out = self._decode_buffer(rec) if live is None else live.reshape(-1).view(np.uint8)
-                    decoding.append(pool.submit(self._decode, rec, blobs.pop(rec.name), out, self._bases_of(rec)))
+                    decoding.append(pool.submit(self._decode, rec, blobs.pop(rec.name), out,
+                                                self._given_bases(rec, bases)))
                     decoded[rec.name] = out.view(storage_dtype(torch_dtype(rec.dtype))).reshape(rec.shape)
                 for done in decoding:
                     done.result()
@@ -317,10 +338,11 @@ class StepData:
                 out[dst] = data[src]
         return out
 
-    def stored(self, rec: TensorRecord) -> np.ndarray:
-        """The stored bytes of ``rec`` (1-D uint8, C order), checked against its checksum."""
+    def stored(self, rec: TensorRecord, bases: dict[int, np.ndarray] | None = None) -> np.ndarray:
+        """The stored bytes of ``rec`` (1-D uint8, C order), checked against its checksum
+        (``bases``: as :meth:`decoded` takes them)."""
         if rec.encoding != "raw":
-            return self.decoded(rec)
+            return self.decoded(rec, bases=bases)
         return self._read_named(rec, (0,) * len(rec.shape), rec.shape, True).reshape(-1).view(np.uint8)
 
     def value(self, rec: TensorRecord) -> np.ndarray:
@@ -340,14 +362,18 @@ class StepData:
         return exact
 
     def decoded(self, rec: TensorRecord, blob: np.ndarray | None = None, out: np.ndarray | None = None,
-                remember: bool = True) -> np.ndarray:
+                remember: bool = True, bases: dict[int, np.ndarray] | None = None) -> np.ndarray:
         """The stored bytes (1-D uint8) of encoded tensor ``rec``: its chunks read and
         decompressed, added to the prediction from its bases for a delta, and checked
         against its checksum (always: a part of a tensor decodes the whole of it anyway,
         and a decoded value may become the base of others). ``blob``: its stored bytes,
         already read; ``out``: where to decode it (1-D uint8 of ``rec.nbytes``);
-        ``remember``: keep the value as a base of later reads."""
-        bases = self._bases_of(rec)
+        ``remember``: keep the value as a base of later reads; ``bases``: the values
+        of its bases by step, when the caller has them (else they are read)."""
+        if bases is None:
+            bases = self._bases_of(rec)
+        else:
+            bases = [self._sized(rec, b, bases[b]) for b in (rec.base, rec.base2) if b is not None]
         out = self._decode_buffer(rec) if out is None else out
         if blob is None:
             blob = self._read_blob(rec, rec.part, rec.stored)
@@ -356,8 +382,17 @@ class StepData:
             self._bases.remember(self.row, rec.name, out)
         return out
 
+    def _given_bases(self, rec: TensorRecord, bases: dict | None) -> list[np.ndarray]:
+        """``rec``'s bases from ``bases`` (``(step, name) -> bytes``) if it holds them all, else read."""
+        steps = [step for step in (rec.base, rec.base2) if step is not None]
+        if bases and all((step, rec.name) in bases for step in steps):
+            return [self._sized(rec, step, bases[step, rec.name]) for step in steps]
+        return self._bases_of(rec)
+
     def _bases_of(self, rec: TensorRecord) -> list[np.ndarray]:
-        return [self._base(rec, step) for step in (rec.base, rec.base2) if step is not None]
+        steps = [step for step in (rec.base, rec.base2) if step is not None]
+        pinned: dict[int, np.ndarray] = {}  # the first base's walk decodes the second: kept for it
+        return [self._base(rec, step, pinned, steps) for step in steps]
 
     def _decode_buffer(self, rec: TensorRecord) -> np.ndarray:
         try:
@@ -400,7 +435,7 @@ class StepData:
                 reader.read(rec.name, blob, (0,))
         return blob
 
-    def _base(self, rec: TensorRecord, step: int) -> np.ndarray:
+    def _base(self, rec: TensorRecord, step: int, pinned: dict, keep: list[int]) -> np.ndarray:
         """The stored bytes of ``rec``'s tensor at ``step``, a base of its delta."""
         what = f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} is a delta against step {step}"
         if step >= self.row.step:
@@ -408,13 +443,17 @@ class StepData:
         if self._bases is None:
             raise CorruptionError(f"{what}, and this reader has no access to other steps")
         try:
-            base = self._bases.base(step, rec.name, self.row.step)
+            base = self._bases.base(step, rec.name, self.row.step, pinned, keep)
         except UnreadableBase:
             raise  # said once, by the delta nearest the damage
         except CorruptionError as exc:
             raise UnreadableBase(f"{what}, which cannot be read: {exc}") from exc
+        return self._sized(rec, step, base)
+
+    def _sized(self, rec: TensorRecord, step: int, base: np.ndarray) -> np.ndarray:
         if base.size != rec.nbytes:
-            raise CorruptionError(f"{what}, where it has {base.size} bytes, not {rec.nbytes}")
+            raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} is a delta "
+                                  f"against step {step}, where it has {base.size} bytes, not {rec.nbytes}")
         return base
 
     def close(self) -> None:
@@ -538,75 +577,100 @@ class Store:
         except Exception as exc:  # damaged files fail in whatever way their library chooses
             raise CorruptionError(f"the data of step {step} in {self.run_dir} is damaged: {exc}") from exc
 
-    def base(self, step: int, name: str, needed_by: int | None = None) -> np.ndarray:
+    def base(self, step: int, name: str, needed_by: int | None = None, pinned: dict | None = None,
+             keep: list[int] = ()) -> np.ndarray:
         """The stored bytes of tensor ``name`` at ``step`` (a base of a delta at step
         ``needed_by``), decoded once.
 
-        A chain is walked down to its key (or to a value decoded before), then decoded
-        forward, each value from the one before: no recursion, however long the chain.
-        The steps opened for bases (their main units: deltas are only ever taken of a
-        main unit's tensors) stay open, the newest :data:`OPEN_BASES`, until
-        :meth:`close`. Raises :class:`StepNotFoundError` when step ``needed_by`` was
-        removed meanwhile (with its bases), :class:`CorruptionError` when a base cannot
-        be read."""
+        The values it needs are found first, down both bases of each delta to keys or
+        values remembered; then they are decoded lowest step first, each against the
+        values just decoded, which are held (in ``pinned``: step -> value) until the
+        last step needing them is decoded, or for good if in ``keep``. So each value is
+        decoded once, whatever :data:`DECODED_BYTES` lets :meth:`remember` keep, and
+        there is no recursion however long the chain. The steps opened for bases (their
+        main units: deltas are only ever taken of a main unit's tensors) stay open, the
+        newest :data:`OPEN_BASES`, until :meth:`close`. Raises :class:`StepNotFoundError`
+        when step ``needed_by`` was removed meanwhile (with its bases),
+        :class:`CorruptionError` when a base cannot be read."""
+        pinned = {} if pinned is None else pinned
         try:
             with self._bases_lock:  # one chain at a time: the open steps' readers are not shared
-                chain = []  # down from ``step`` to the first value that needs no other
-                while True:
-                    data, rec, cached = self._base_record(step, name)
+                needs: dict[int, list[int]] = {}  # step to decode -> its bases
+                todo = [step]
+                while todo:
+                    at = todo.pop()
+                    if at in needs or at in pinned:
+                        continue
+                    _, rec, cached = self._base_record(at, name)
                     if cached is not None:
-                        break
-                    chain.append(step)
-                    if rec.base is None:
-                        break
-                    if rec.base >= step:  # steps only go down: a crafted chain cannot loop
-                        raise CorruptionError(f"tensor {name!r} of step {step} in {self.run_dir} is a delta "
-                                              f"against step {rec.base}, which is not earlier: the step's "
-                                              "data is damaged")
-                    step = rec.base
-                for step in reversed(chain):  # each decodes against the values decoded just before
-                    data, rec, cached = self._base_record(step, name)
-                    cached = data.stored(rec)
-                    self.remember(data.row, name, cached)
-                return cached
+                        pinned[at] = cached  # held: remember() may let it go meanwhile
+                        continue
+                    needs[at] = [b for b in (rec.base, rec.base2) if b is not None]
+                    for b in needs[at]:
+                        if b >= at:  # steps only go down: a crafted chain cannot loop
+                            raise CorruptionError(f"tensor {name!r} of step {at} in {self.run_dir} is a delta "
+                                                  f"against step {b}, which is not earlier: the step's data is "
+                                                  "damaged")
+                    todo += needs[at]
+                last_use = {b: at for at in sorted(needs) for b in needs[at]}
+                for at in sorted(needs):
+                    data, rec, _ = self._base_record(at, name)
+                    pinned[at] = data.stored(rec, bases=pinned)
+                    self.remember(data.row, name, pinned[at])  # a raw base too
+                    for b in needs[at]:
+                        if last_use[b] == at and b != step and b not in keep:
+                            pinned.pop(b, None)
+                return pinned[step]
         except CorruptionError:
             if needed_by is not None and self.index.step_row(needed_by) is None:
                 raise StepNotFoundError(f"step {needed_by} was removed from {self.run_dir} while it "
                                         "was being read") from None
             raise
 
-    def warm_bases(self, wanted: list[tuple[int, str]]) -> None:
-        """Decode the bases ``(step, name)``, and the bases they need in turn, into the
-        remembered values a step at a time, lowest first: each step's tensors in one
-        batch (:meth:`StepData.prefetch`) instead of a read per tensor and step. Best
-        effort: on damage it stops, and :meth:`base` then reads tensor by tensor, naming
-        the damage where it lies."""
+    def warm_bases(self, wanted: list[tuple[int, str]]) -> dict[tuple[int, str], np.ndarray]:
+        """Decode the bases ``(step, name)``, and the bases they need in turn, a step at a
+        time, lowest first: each step's tensors in one batch (:meth:`StepData.prefetch`)
+        instead of a read per tensor and step. Returns the values of ``wanted`` it
+        decoded or found remembered. The values it decodes are held until the last step
+        that needs them is decoded (and remembered too), so none is decoded twice,
+        whatever :data:`DECODED_BYTES` lets :meth:`remember` keep. Best effort: on damage
+        it stops, and :meth:`base` then reads tensor by tensor, naming the damage where
+        it lies."""
+        held: dict[tuple[int, str], np.ndarray] = {}
+        wanted = list(dict.fromkeys(wanted))
         try:
             with self._bases_lock:
                 by_step: dict[int, dict[str, None]] = {}  # the values to decode, in order
-                todo = list(dict.fromkeys(wanted))
+                last_use: dict[tuple[int, str], int] = {}  # a value -> the last step decoded against it
+                todo = list(wanted)
                 while todo:  # down the chains, to values remembered or of no base
                     step, name = todo.pop()
-                    if name in by_step.get(step, ()):
+                    if name in by_step.get(step, ()) or (step, name) in held:
                         continue
                     _, rec, cached = self._base_record(step, name)
-                    if cached is None:
-                        by_step.setdefault(step, {})[name] = None
-                        todo += [(b, name) for b in (rec.base, rec.base2) if b is not None and b < step]
-                for step in sorted(by_step):
-                    # again: another thread's read may have remembered some meanwhile, and the
-                    # step may have been closed as one of more than OPEN_BASES opened above
-                    names = [n for n in by_step[step] if self._base_record(step, n)[2] is None]
-                    if not names:
+                    if cached is not None:
+                        held[step, name] = cached
                         continue
-                    data = self._base_record(step, names[0])[0]
-                    data.prefetch(names)
+                    by_step.setdefault(step, {})[name] = None
+                    for b in (rec.base, rec.base2):
+                        if b is not None and b < step:
+                            todo.append((b, name))
+                            last_use[b, name] = max(last_use.get((b, name), step), step)
+                keep = set(wanted)
+                for step in sorted(by_step):
+                    names = list(by_step[step])
+                    data = self._base_step(step)
+                    data.prefetch(names, bases=held)
                     for name in names:  # what prefetch leaves to read() (blocks, low bits), base() reads
                         value = data._prefetched.pop(name, None)
                         if value is not None:
-                            self.remember(data.row, name, value.reshape(-1).view(np.uint8))
+                            held[step, name] = value.reshape(-1).view(np.uint8)
+                            self.remember(data.row, name, held[step, name])
+                    for key in [k for k, last in last_use.items() if last == step and k not in keep]:
+                        held.pop(key, None)
         except (OSError, LookupError, ValueError, MemoryError):  # CorruptionError, StepNotFoundError
             pass
+        return {key: value for key, value in held.items() if key in keep}
 
     def _base_record(self, step: int, name: str) -> tuple[StepData, TensorRecord | None, np.ndarray | None]:
         """The open main unit of ``step``, the record of ``name`` in it, and its decoded
@@ -620,6 +684,21 @@ class Store:
             cached = self._decoded.get((name, key))
         if cached is not None:
             return None, None, cached
+        data = self._base_step(step, row)
+        rec = data.records.get(name)
+        if rec is None:
+            raise CorruptionError(f"a delta of tensor {name!r} in {self.run_dir} is against step {step}, "
+                                  "which has no such tensor: the run is damaged")
+        return data, rec, None
+
+    def _base_step(self, step: int, row: StepRow | None = None) -> StepData:
+        """The main unit of committed ``step``, opened for its tensors' values as bases
+        (the newest :data:`OPEN_BASES` stay open)."""
+        row = row or self.index.step_row(step)
+        if row is None:
+            raise CorruptionError(f"a delta in {self.run_dir} is against step {step}, which is not committed: "
+                                  "the run is damaged")
+        key = (row.step, row.time)
         data = self._base_steps.get(key)
         if data is None:
             data = self.open_step(step, against_index=False, main_only=True)
@@ -627,11 +706,7 @@ class Store:
             while len(self._base_steps) > OPEN_BASES:
                 self._base_steps.popitem(last=False)[1].close()
         self._base_steps.move_to_end(key)
-        rec = data.records.get(name)
-        if rec is None:
-            raise CorruptionError(f"a delta of tensor {name!r} in {self.run_dir} is against step {step}, "
-                                  "which has no such tensor: the run is damaged")
-        return data, rec, None
+        return data
 
     def remember(self, row: StepRow, name: str, value: np.ndarray) -> None:
         """Keep a decoded (and checked) value: the next step's delta is decoded against it.
@@ -662,11 +737,17 @@ class Store:
             raise CorruptionError(f"step {data.row.step} in {self.run_dir}: only {where} lists tensor {name!r}: "
                                   "the index or the step's data is damaged")
         for name, rec in data.records.items():
-            if indexed[name] != (rec.dtype, json.dumps(list(rec.shape)), rec.nbytes, rec.checksum):
+            if indexed[name][:4] != (rec.dtype, json.dumps(list(rec.shape)), rec.nbytes, rec.checksum):
                 raise CorruptionError(
                     f"step {data.row.step} in {self.run_dir}: tensor {name!r} is {rec.dtype} {list(rec.shape)} "
                     f"in the manifest but {indexed[name][0]} {indexed[name][1]} in the index (or their sizes or "
                     "checksums differ): the index or the step's data is damaged")
+            # retention and prune keep a delta's bases by the index: it must say what the manifest says
+            if indexed[name][4:] != (rec.encoding, rec.base):
+                raise CorruptionError(
+                    f"step {data.row.step} in {self.run_dir}: tensor {name!r} is stored as {_encoded(*indexed[name][4:])}"
+                    f" by the index but as {_encoded(rec.encoding, rec.base)} by the manifest: the index or the "
+                    "step's data is damaged")
 
     def close(self) -> None:
         with self._bases_lock:
