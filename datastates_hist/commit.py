@@ -269,13 +269,15 @@ def _refuse_units_of_committed_steps(index: Index, steps_dir: str, unnamed: list
     thing only: a demotion cut short (the row says trajectory and has no rows of the
     restore unit any more; the unit is then deleted). Any other is a row that lies
     about its own step (its location or tier damaged): nothing is deleted."""
-    restore_rows = index.steps_with_restore_rows()
+    restore_rows = None  # read only when needed: a scan of every tensor row
     kept = []
     for entry in unnamed:
         step = _step_of_unit(entry)
         row = rows.get(step) if step is not None and not entry.endswith(PARTIAL) else None
         if row is None:
             continue
+        if restore_rows is None:
+            restore_rows = index.steps_with_restore_rows()
         demoted = row.tier == "trajectory" and entry == restore_unit(row.location) and step not in restore_rows
         if not demoted:
             kept.append((entry, row))
