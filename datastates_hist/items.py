@@ -218,6 +218,13 @@ class TensorRecord:
             self._check_blocks()
         if self.distribution is not None and not is_distribution(self.distribution):
             raise ValueError(f"tensor {name!r} has a malformed distribution: {str(self.distribution)[:200]}")
+        # the index stores these in REAL columns (nonfinite: INTEGER): anything else is damage
+        if not all(isinstance(k, str) and _is_stat(k, v) for k, v in self.stats.items()):
+            raise ValueError(f"tensor {name!r} has malformed statistics: {str(self.stats)[:200]} (each is a "
+                             "number or null; nonfinite a count)")
+        if not (self.update_ratio is None or _is_real(self.update_ratio)):
+            raise ValueError(f"tensor {name!r} has the update ratio {str(self.update_ratio)[:80]}, which is "
+                             "not a number or null")
 
     def _check_lossy(self, itemsize: int, indexed: bool) -> None:
         """A lossy tensor: kept bits its dtype has, the bound they give, an encoded main
@@ -319,6 +326,17 @@ def _tuple(value):
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """A float (NaN and infinities included: statistics of such data) or an int SQLite holds."""
+    return isinstance(value, float) or (_is_int(value) and -2**63 <= value < 2**63)
+
+
+def _is_stat(key: str, value) -> bool:
+    if value is None:
+        return True
+    return _is_int(value) and 0 <= value < 2**63 if key == "nonfinite" else _is_real(value)
 
 
 def is_distribution(d) -> bool:

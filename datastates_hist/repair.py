@@ -298,8 +298,17 @@ def _commit_units(run_dir: str, index: Index, units: list[str], backends, old_ti
                 bad.append((restore, str(exc)))
         if row.tier != "restore":  # without its restore unit, a rounded tensor is its rounded value
             records = [r.without_low_bits() for r in records]
+        try:
+            index.commit_step(row, records, scalars)  # one transaction: nothing of the unit stays if it fails
+        except (sqlite3.ProgrammingError, sqlite3.IntegrityError, OverflowError, TypeError, ValueError) as exc:
+            # a record the checks let through and SQLite refuses (a value it cannot hold, a name
+            # twice): damage of this unit, not a failure of the index (a full disk still fails repair)
+            bases.reject()
+            bad.append((unit, f"its records cannot be committed: {exc}"))
+            if row.tier == "restore":
+                bad.append((restore, f"a restore unit whose main unit {unit} cannot be committed"))
+            continue
         bases.accept(row, records)
-        index.commit_step(row, records, scalars)
     bad += [(unit, f"a restore unit whose main unit {main} is missing") for main, unit in restores.items()]
     return sorted(bases.rows), bad
 

@@ -35,8 +35,8 @@ from xarray.backends import BackendArray
 from xarray.core import indexing
 
 from .dtypes import torch_dtype
-from .errors import ShapeChangeError, StepNotFoundError
-from .items import matches
+from .errors import CorruptionError, ShapeChangeError, StepNotFoundError
+from .items import TensorRecord, matches
 from .scalars import matches_scalar
 
 # Dtypes numpy lacks (bfloat16, float8) or that most numpy code handles poorly (float16).
@@ -109,12 +109,23 @@ class TensorArray(BackendArray):
                      else np.asarray(step_key).reshape(-1))
         sizes = [s for s in (_selected_len(k, n) for k, n in zip(tensor_key, self.tensor_shape))
                  if s is not None]
-        out = np.empty((len(positions), *sizes), dtype=self.dtype)
+        out = None
         with self.lock:
             for i, pos in enumerate(positions):
                 # A whole tensor is read with its checksum checked; a part reads only its box.
-                t = self.history.read(self.name, self.steps[int(pos)], index=None if full else read_key)
-                out[i] = self._post(_to_numpy(t), post)
+                step = self.steps[int(pos)]
+                arr = self._post(_to_numpy(self.history.read(self.name, step, index=None if full else read_key)),
+                                 post)
+                if out is None:
+                    # allocated once a step is read: the read checks the index's shape against the
+                    # step's manifest and its unit's bytes, so a crafted shape asks for no memory
+                    if arr.shape != tuple(sizes):
+                        raise CorruptionError(f"step {step} in {self.history.path}: tensor {self.name!r} was read "
+                                              f"as {list(arr.shape)}, the index says {list(sizes)}")
+                    out = np.empty((len(positions), *sizes), dtype=self.dtype)
+                out[i] = arr
+        if out is None:  # no step selected: nothing to read (sizes are bounded by the checks of _layout)
+            out = np.empty((0, *sizes), dtype=self.dtype)
         return out[0] if isinstance(step_key, (int, np.integer)) else out
 
     def _box_key(self, tensor_key: tuple) -> tuple[tuple, list]:
@@ -178,17 +189,32 @@ def _layout(history, steps: list[int], name: str | None = None) -> dict[str, dic
     if not steps:
         return {}
     # One query rather than one per step: a long history has thousands of steps.
-    sql = "SELECT step, name, dtype, shape FROM tensors WHERE step BETWEEN ? AND ?"
+    sql = "SELECT step, name, dtype, shape, nbytes FROM tensors WHERE step BETWEEN ? AND ?"
     args: list = [min(steps), max(steps)]
     if name is not None:
         sql += " AND name=?"
         args.append(name)
     wanted = set(steps)
     out: dict[str, dict[int, tuple]] = {}
-    for step, tname, dtype, shape in history.store.index.conn.execute(sql + " ORDER BY rowid", args):
+    for step, tname, dtype, shape, nbytes in history.store.index.conn.execute(sql + " ORDER BY rowid", args):
         if step in wanted:
-            out.setdefault(tname, {})[step] = (dtype, tuple(json.loads(shape)))
+            out.setdefault(tname, {})[step] = (dtype, _checked_shape(history, step, tname, dtype, shape, nbytes))
     return out
+
+
+def _checked_shape(history, step: int, name, dtype, shape: str, nbytes) -> tuple[int, ...]:
+    """The shape of an index row, checked as every reader of the index checks a record
+    (:meth:`TensorRecord.check`): integer dimensions, a known dtype, bytes that agree."""
+    try:
+        dims = json.loads(shape)
+        TensorRecord(name, dtype, tuple(dims) if isinstance(dims, list) else dims, nbytes).check(indexed=True)
+    except (ValueError, TypeError) as exc:
+        index = history.store.index
+        why = exc if isinstance(exc, ValueError) and not isinstance(exc, json.JSONDecodeError) else (
+            f"tensor {name!r} has the shape {shape!r}, not a JSON list")
+        raise CorruptionError(f"the index {index.path} is damaged: step {step}: {why} (rebuild it from the "
+                              f"step data with: datastates-hist repair {index.run_dir})") from None
+    return tuple(dims)
 
 
 def _changes(per_step: dict[int, tuple]) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import datastates_hist as dh
-from datastates_hist.cli import EXIT_IO, EXIT_USAGE, main
+from datastates_hist.cli import EXIT_IO, EXIT_MISSING, EXIT_USAGE, main
 from datastates_hist.importing.reading import load_torch
 from datastates_hist.importing.sources import find_sources
 
@@ -237,7 +237,7 @@ def test_bad_sources(tmp_path, plain_sources, capsys):
     run = tmp_path / "run"
     missing = tmp_path / "nope_1.pt"
     assert cli(capsys, "import", run, missing) == (
-        EXIT_IO, "", f"datastates-hist: cannot import {missing}: there is no such file or folder\n")
+        EXIT_MISSING, "", f"datastates-hist: cannot import {missing}: there is no such file or folder\n")
     other = tmp_path / "notes_2.txt"
     other.write_text("x")
     assert cli(capsys, "import", run, other) == (
@@ -318,8 +318,9 @@ def test_sources_a_backend_cannot_store_leave_no_run(tmp_path, capsys):
                         "cannot checkpoint 'optim': state/@0/buf.a: a value of type torch.Tensor cannot be stored "
                         "without pickle; convert it to numbers, strings, lists and dicts, give it "
                         "state_dict()/load_state_dict(), or register a StateProvider for its type"),
-        "empty_4.pt": ({"model": {"w": w, "": w}}, "tensor 'model' is also the group of tensor 'model/w': a name "
-                       "cannot be both a tensor and the prefix of another; rename one"),
+        "empty_4.pt": ({"model": {"w": w, "": w}}, "one of its model tensors has an empty name (''), which the "
+                       "backends cannot store"),
+        "empty_5.pt": ({"": w}, "one of its model tensors has an empty name (''), which the backends cannot store"),
     }
     for name, (obj, why) in cases.items():
         source, run = tmp_path / name, tmp_path / f"run_{name}"
@@ -480,8 +481,9 @@ def test_dcp_crafted_paths_and_sizes_are_refused(tmp_path, capsys):
             metadata.planner_data["model.w"] = path
         return edit
 
-    def huge(metadata):
-        metadata.state_dict_metadata["model.w"].size = torch.Size([10**6, 10**6])
+    def huge(metadata):  # one chunk, all of it, in an entry of a few bytes
+        metadata.state_dict_metadata["model.w"].size = torch.Size([10**12])
+        metadata.state_dict_metadata["model.w"].chunks[0].sizes = torch.Size([10**12])
 
     cases = [
         (planner_path(("model", -5)), "its metadata gives 'model.w' the path ('model', -5) (a path is keys, or "
@@ -520,3 +522,314 @@ def test_rng_states_without_optimizer_stay_a_restore_point(tmp_path, capsys):
     with dh.open(run) as h:
         assert h.restore_points == [5]
         assert_bit_equal(h.read("rng/torch", 5), rng["cpu"])
+
+
+def test_torch_file_whose_record_is_shorter_than_its_storage_is_refused(tmp_path, capsys):
+    """A memory-mapped torch.load takes a storage's bytes from its record on without
+    checking the record's size: a short record would lend bytes of the next zip header."""
+    import zipfile
+
+    good, short = tmp_path / "good.pt", tmp_path / "step_1.pt"
+    torch.save({"w": torch.full((4,), 7.0)}, good)
+    with zipfile.ZipFile(good) as zin, zipfile.ZipFile(short, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            zout.writestr(info.filename, data[:8] if info.filename.endswith("/data/0") else data)
+    with pytest.raises(RuntimeError, match="record size"):  # what a plain torch.load says
+        torch.load(short, weights_only=True)
+    assert cli(capsys, "import", tmp_path / "run", short) == (
+        EXIT_IO, "", f"datastates-hist: cannot read {short}: its tensors' storages do not match the records holding "
+        "their bytes (a record shorter or longer than its storage): damaged\n")
+    assert not (tmp_path / "run").exists()
+    shared = tmp_path / "shared_2.pt"  # two tensors of one storage, and an empty one: still one record each
+    base = torch.arange(8.0)
+    torch.save({"a": base[:4], "b": base[4:], "c": torch.ones(3), "e": torch.empty(0)}, shared)
+    assert torch.equal(load_torch(str(shared))["b"], base[4:])
+
+
+def test_dcp_chunks_that_do_not_tile_a_tensor_are_refused(tmp_path, capsys):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    def chunks(*boxes):
+        def edit(metadata):
+            metadata.state_dict_metadata["model.w"].chunks = [
+                ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, sizes in boxes]
+        return edit
+
+    cases = [
+        (chunks(), "chunks that do not tile it (0 of its 6 elements covered, or some twice): the rest would be "
+                   "uninitialised memory"),
+        (chunks(((0, 0), (1, 3)), ((0, 0), (1, 3))), "chunks that do not tile it (3 of its 6 elements covered, or "
+                                                     "some twice): the rest would be uninitialised memory"),
+        (chunks(((1, 0), (2, 3))), "(size (2, 3)) a chunk at (1, 0) of size (2, 3), not inside it"),
+        (chunks(((0, 0), (1, 3)), ((1, 0), (1, 3))), "a chunk at (1, 0) that no storage entry holds"),
+    ]
+    for step, (edit, why) in enumerate(cases):
+        folder = dcp_folder(tmp_path / f"dcp_{step}", {"model": {"w": torch.ones(2, 3)}})
+        edit_metadata(folder, edit)
+        assert cli(capsys, "import", tmp_path / "run", folder) == (
+            EXIT_USAGE, "", f"datastates-hist: cannot import {folder}: its metadata gives 'model.w' {why}\n")
+    assert not (tmp_path / "run").exists()
+
+    def two_rows(metadata):  # model.w as two sharded rows: the chunks model.a and model.b were saved as
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        a, b = (metadata.state_dict_metadata.pop(f"model.{n}") for n in "ab")
+        metadata.state_dict_metadata["model.w"] = a
+        a.size, b.chunks[0].offsets = torch.Size([2, 3]), torch.Size([1, 0])
+        a.chunks.append(b.chunks[0])
+        entries = metadata.storage_data
+        entries[MetadataIndex("model.w", (0, 0))] = entries[MetadataIndex("model.a", (0, 0))]
+        entries[MetadataIndex("model.w", (1, 0))] = entries[MetadataIndex("model.b", (0, 0))]
+        metadata.planner_data = {"model.w": ("model", "w")}
+
+    sharded = dcp_folder(tmp_path / "dcp_9", {"model": {"a": torch.ones(1, 3), "b": torch.full((1, 3), 2.0)}})
+    edit_metadata(sharded, two_rows)
+    assert cli(capsys, "import", tmp_path / "run", sharded)[0] == 0
+    with dh.open(tmp_path / "run") as h:
+        assert torch.equal(h.read("model/w", 9), torch.tensor([[1.0, 1, 1], [2, 2, 2]]))
+
+
+def test_dcp_size_checks_hold_beside_a_transform_no_chunk_reads(tmp_path, capsys):
+    """An entry that claims a transform (compression), read by no chunk, leaves every
+    size check on: each chunk within its entry, the tensors within the folder's files."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    def ghosts(numel, count=1):
+        def edit(metadata):
+            w = metadata.storage_data[MetadataIndex("model.w", (0,))]
+            metadata.storage_data[MetadataIndex("orphan")] = _StorageInfo(w.relative_path, 0, 1, ["stream.zstd/1"])
+            for n in range(count):  # tensors whose one chunk reads model.w's bytes
+                fqn = f"model.ghost{n}"
+                metadata.state_dict_metadata[fqn] = TensorStorageMetadata(
+                    TensorProperties(dtype=torch.float32), torch.Size([numel]),
+                    [ChunkStorageMetadata(torch.Size([0]), torch.Size([numel]))])
+                metadata.storage_data[MetadataIndex(fqn, (0,))] = w
+                metadata.planner_data[fqn] = ("model", f"ghost{n}")
+        return edit
+
+    state = {"model": {"w": torch.ones(4), "big": torch.ones(1000)}}
+    folder = dcp_folder(tmp_path / "dcp_0", state)
+    stored = os.path.getsize(folder / "__0_0.distcp")
+    with open(folder / ".metadata", "rb") as f:
+        entry = next(info.length for index, info in pickle.load(f).storage_data.items() if index.fqn == "model.w")
+    cases = [
+        (ghosts(2**28), f"its metadata gives 'model.ghost0' {2**30} bytes, more than the {stored} its files hold"),
+        (ghosts(600), f"its metadata gives a chunk of 'model.ghost0' 2400 bytes, more than the {entry} of its "
+                      "storage entry"),
+        (ghosts(300, count=10), f"its metadata gives its tensors {4016 + 3 * 1200} bytes or more, more than the "
+                                f"{stored} its files hold"),
+    ]
+    for step, (edit, why) in enumerate(cases, start=1):
+        folder = dcp_folder(tmp_path / f"dcp_{step}", state)
+        edit_metadata(folder, edit)
+        assert cli(capsys, "import", tmp_path / "run", folder) == (
+            EXIT_USAGE, "", f"datastates-hist: cannot import {folder}: {why}\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_sources_that_are_not_regular_files_inside_are_refused(tmp_path, capsys):
+    """A FIFO would block the import forever; a link out of a folder is not the folder's."""
+    from safetensors.torch import save_file
+
+    fifo_pt, fifo_st = tmp_path / "step_1.pt", tmp_path / "step_2.safetensors"
+    os.mkfifo(fifo_pt)
+    os.mkfifo(fifo_st)
+    for fifo in (fifo_pt, fifo_st):
+        assert cli(capsys, "import", tmp_path / "run", fifo) == (
+            EXIT_USAGE, "", f"datastates-hist: cannot import {fifo}: not a regular file\n")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"")
+    folder = dcp_folder(tmp_path / "dcp_3", {"model": {"w": torch.ones(4)}})
+    os.replace(folder / ".metadata", outside)
+    os.symlink(outside, folder / ".metadata")
+    assert cli(capsys, "import", tmp_path / "run", folder) == (
+        EXIT_USAGE, "", f"datastates-hist: cannot import {folder}: .metadata links outside the folder\n")
+    os.remove(folder / ".metadata")
+    os.mkfifo(folder / ".metadata")
+    assert cli(capsys, "import", tmp_path / "run", folder) == (
+        EXIT_USAGE, "", f"datastates-hist: cannot import {folder}/.metadata: not a regular file\n")
+    trainer = tmp_path / "checkpoint-4"
+    trainer.mkdir()
+    save_file({"w": torch.ones(2)}, trainer / "model.safetensors")
+    os.mkfifo(trainer / "rng_state.pth")
+    assert cli(capsys, "import", tmp_path / "run", trainer) == (
+        EXIT_USAGE, "", f"datastates-hist: cannot import {trainer}/rng_state.pth: not a regular file\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_transformers_folder_of_links_like_the_hub_cache_imports(tmp_path, capsys):
+    """A Hugging Face hub cache snapshot is a folder of links into the cache's blobs/:
+    a transformers folder's files may link out of it, to regular files."""
+    from safetensors.torch import save_file
+
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "0123abc"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    save_file({"w": torch.arange(4.0)}, blobs / "9f2c")
+    os.symlink(os.path.relpath(blobs / "9f2c", snapshot), snapshot / "model.safetensors")
+    (blobs / "c0de").write_text('{"model_type": "gpt2"}')
+    os.symlink(blobs / "c0de", snapshot / "config.json")
+    code, out, err = cli(capsys, "import", tmp_path / "run", snapshot, "--step-from", r"(\d+)abc")
+    assert (code, err) == (0, ""), err
+    with dh.open(str(tmp_path / "run")) as h:
+        assert h.steps == [123] and torch.equal(h.read("w", 123), torch.arange(4.0))
+
+
+def test_malformed_optimizer_and_rng_states_are_refused(tmp_path, capsys):
+    import numpy as np
+    from safetensors.torch import save_file
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    good = opt.state_dict()
+    wrong = "expected an optimizer state dict, but its"
+    optimizers = {
+        "step_1.pt": ({"state": good["state"], "param_groups": [{"lr": 0.1}]},
+                      f"{wrong} param_groups[0] is a dict with keys 'lr', not a dict with a 'params' list"),
+        "step_2.pt": ({"state": {0: "momentum"}, "param_groups": good["param_groups"]},
+                      f"{wrong} state[0] is a str, not a dict of one parameter's state"),
+        "step_3.pt": ({"state": good["state"], "param_groups": ["lr=0.1"]},
+                      f"{wrong} param_groups[0] is a str, not a dict with a 'params' list"),
+        "step_4.pt": ({"state": {}, "param_groups": [{"params": [0, 1.5]}]},
+                      f"{wrong} param_groups[0]['params'] holds 1.5, not a parameter's index or name"),
+    }
+    for name, (optim, why) in optimizers.items():
+        source = tmp_path / name
+        torch.save({"model": model.state_dict(), "optimizer": optim}, source)
+        assert cli(capsys, "import", tmp_path / "run", source) == (
+            EXIT_USAGE, "", f"datastates-hist: cannot import {source} ['optimizer']: {why}\n")
+    rngs = {
+        5: ({"cpu": torch.zeros(3, dtype=torch.uint8)}, "its 'cpu' entry is not a torch CPU RNG state (Expected a "
+            "CPUGeneratorImplState of size 5056 but found the input RNG state size to be 3)"),
+        6: ({"python": (3, (1, 2), None)}, "its 'python' entry is not a Python random RNG state (state vector is "
+            "the wrong size)"),
+        7: ({"numpy": ("MT19937", np.zeros(3, dtype=np.uint32), 0, 0, 0.0)}, "its 'numpy' entry is not a numpy RNG "
+            "state (index 3 is out of bounds for axis 0 with size 3)"),
+        8: ("cpu", "expected a Trainer's RNG states (a dict: cpu, numpy, python, ...), found a str"),
+    }
+    for n, (rng, why) in rngs.items():
+        folder = tmp_path / f"checkpoint-{n}"
+        folder.mkdir()
+        save_file({"w": torch.ones(2)}, folder / "model.safetensors")
+        torch.save(rng, folder / "rng_state.pth")
+        assert cli(capsys, "import", tmp_path / "run", folder) == (
+            EXIT_USAGE, "", f"datastates-hist: cannot import {folder}/rng_state.pth: {why}\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_model_dicts_nested_too_deep_are_refused(tmp_path, capsys):
+    import sys
+
+    nested = torch.ones(1)
+    for _ in range(3000):  # deeper than Python recurses
+        nested = {"k": nested}
+    source = tmp_path / "step_1.pt"
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)  # for torch.save's pickler
+    try:
+        torch.save({"model": nested}, source)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert cli(capsys, "import", tmp_path / "run", source) == (
+        EXIT_USAGE, "", f"datastates-hist: cannot import {source} ['model']: its dicts are nested more than 100 "
+        "levels deep\n")
+
+
+def test_plain_numpy_arrays_import_and_object_arrays_do_not(tmp_path, capsys):
+    import numpy as np
+
+    dtypes = [np.bool_, np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8,
+              np.uint16, np.uint32, np.uint64]
+    source = tmp_path / "step_1.pt"
+    arrays = {f"a_{np.dtype(t).name}": np.arange(3).astype(t) for t in dtypes}
+    torch.save({"model": {"w": torch.ones(2)}, **arrays}, source)
+    assert cli(capsys, "import", tmp_path / "run", source)[0] == 0
+    with dh.open(tmp_path / "run") as h:
+        for name, array in arrays.items():
+            assert torch.equal(h.read(f"extra/{name}", 1), torch.from_numpy(array))
+    objects = tmp_path / "step_2.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "a": np.array([1, "x"], dtype=object)}, objects)
+    assert cli(capsys, "import", tmp_path / "run", objects)[0] == EXIT_USAGE
+
+
+def test_values_and_tensors_that_expand_far_beyond_their_file_are_refused(tmp_path, capsys):
+    """A "billion laughs" (x = [x, x], pickle's memo sharing it) and a view that expands
+    one element to 4 MiB: the import would walk and store far more than the file holds."""
+    laughs = [0]
+    for _ in range(14):
+        laughs = [laughs, laughs]
+    source = tmp_path / "step_1.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "laughs": laughs}, source)
+    size = os.path.getsize(source)
+    assert cli(capsys, "import", tmp_path / "run", source) == (
+        EXIT_USAGE, "", f"datastates-hist: cannot import {source}: its lists and dicts, shared many times over, would "
+        f"expand to {3 * 2**14 + 2} entries from {size} bytes (more than {16 * size}): refused\n")
+    expanded = tmp_path / "step_2.pt"
+    torch.save({"w": torch.zeros(1).expand(2**20)}, expanded)
+    size = os.path.getsize(expanded)
+    assert cli(capsys, "import", tmp_path / "run", expanded) == (
+        EXIT_USAGE, "", f"datastates-hist: cannot import {expanded}: its tensors would take {4 * 2**20} bytes from "
+        f"{size} bytes of file (more than {16 * size}: views that expand or repeat one storage): refused; save "
+        "copies of them (.clone()) to import them\n")
+    assert not (tmp_path / "run").exists()
+    shared = tmp_path / "step_3.pt"  # what real checkpoints share: a tied weight, a list held twice
+    w, hparams = torch.randn(64, 64), [1, 2, 3]
+    torch.save({"model": {"embed": w, "head": w}, "a": hparams, "b": hparams}, shared)
+    assert cli(capsys, "import", tmp_path / "run", shared)[0] == 0
+    with dh.open(tmp_path / "run") as h:
+        assert torch.equal(h.read("model/head", 3), w)
+
+
+def test_run_inside_a_source_and_failed_import_into_an_empty_folder(tmp_path, capsys):
+    folder = dcp_folder(tmp_path / "dcp_1", {"model": {"w": torch.ones(4)}})
+    before = sorted(os.listdir(folder))
+    assert cli(capsys, "import", folder, folder) == (
+        EXIT_USAGE, "", f"datastates-hist: cannot import into {folder}: it is the source {folder}, which the import "
+        "would write into; import into a new run\n")
+    assert cli(capsys, "import", folder / "run", folder) == (
+        EXIT_USAGE, "", f"datastates-hist: cannot import into {folder}/run: it is inside the source {folder}, which "
+        "the import would write into; import into a new run\n")
+    assert sorted(os.listdir(folder)) == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad = tmp_path / "step_2.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "s": {1, 2}}, bad)  # a set: no backend stores it
+    assert cli(capsys, "import", empty, bad)[0] == EXIT_USAGE
+    assert empty.is_dir() and os.listdir(empty) == []
+
+
+def test_a_step_is_reported_once_committed(tmp_path, capsys):
+    """The steps before a source that fails are committed, and reported; the failing one is not."""
+    sources = [tmp_path / f"step_{n}.pt" for n in (1, 2, 3)]
+    for n, source in enumerate(sources, start=1):
+        torch.save({"model": {"w": torch.full((2,), float(n))}, **({"s": {1}} if n == 3 else {})}, source)
+    run = tmp_path / "run"
+    code, out, err = cli(capsys, "import", run, *sources)
+    assert (code, out.splitlines()) == (EXIT_USAGE, [
+        f"step {n}: {sources[n - 1]} (torch), 1 model tensors, 8 B, trajectory point" for n in (1, 2)])
+    assert err.startswith(f"datastates-hist: cannot import {sources[2]}: cannot checkpoint 'extra/s'")
+    with dh.open(run) as h:
+        assert h.steps == [1, 2] and h.restore_points == []
+
+
+def test_dcp_metadata_cannot_set_attributes_of_a_class(tmp_path, capsys):
+    """A BUILD on a class the unpickler hands out (pathlib.PosixPath) would change it for the
+    whole process: refused, and the class is as it was."""
+    import pathlib
+
+    folder = dcp_folder(tmp_path / "dcp_1", {"model": {"w": torch.ones(4)}})
+    body = (folder / ".metadata").read_bytes()
+    body = pickle.dumps(pickle.loads(body), protocol=2)
+    # GLOBAL pathlib.PosixPath; (None, {'read_text': None}) BUILD; POP  -- then the real metadata
+    poison = b"cpathlib\nPosixPath\nN}X\x09\x00\x00\x00read_textNs\x86b0"
+    (folder / ".metadata").write_bytes(body[:2] + poison + body[2:])
+    assert cli(capsys, "import", tmp_path / "run", folder) == (
+        EXIT_USAGE, "", f"datastates-hist: refused {folder}/.metadata: it holds more than DCP's metadata, and loading "
+        "it could run code (Unsupported BUILD: setting the attributes of <class 'pathlib.PosixPath'>)\n")
+    assert pathlib.PosixPath.read_text is pathlib.Path.read_text and callable(pathlib.PosixPath.read_text)
+    assert not (tmp_path / "run").exists()

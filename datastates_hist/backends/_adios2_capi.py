@@ -57,7 +57,7 @@ _TYPES = {
 
 # Every IO asks for no profiling files. BP5 in ADIOS2 2.12 ignores it (measured):
 # its readers and writers write one on every close, see remove_reader_profile and
-# adios2_bp5.PROFILE.
+# bp5_files.PROFILE.
 IO_DEFAULTS = {"Profile": "Off"}
 
 

@@ -23,12 +23,11 @@ import os
 import numpy as np
 
 from ..boxes import overlap
-from ..digest import checksum_bytes
 from ..durable import fsync_tree, remove_tree
-from ..errors import CorruptionError
-from ..layout import entry_path, unit_name
+from ..layout import unit_name
 from . import _adios2_capi as capi
 from .base import Backend, StagedStepWriter
+from .bp5_files import PROFILE, check_checksums, write_checksums
 from .step import StepReader
 
 MANIFEST = "__manifest__"
@@ -38,10 +37,6 @@ SUFFIX = ".bp"
 # Measured choices (docs/performance.md): the flusher thread itself does the
 # I/O (ctypes drops the GIL), so no AsyncWrite.
 WRITE_PARAMETERS = {"AsyncWrite": "off", "StatsLevel": "0", "MinDeferredSize": "1"}
-# What a BP5 writer leaves in its folder on close although asked not to (ADIOS2 2.12;
-# a link to /dev/null for a writer of its own file): removed, so a unit holds only what
-# readers use. Older units may hold it.
-PROFILE = capi.PROFILE
 
 
 def _file_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -162,7 +157,7 @@ class Adios2StepReader(StepReader):
     def __init__(self, path: str):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"step data {path} is missing")
-        check_checksums(path)
+        self.sizes = check_checksums(path)
         self.path = path
         self.adios = capi.Adios()
         self.file = None
@@ -187,8 +182,7 @@ class Adios2StepReader(StepReader):
 
     def _bytes(self, name: str) -> bytes:
         (n,) = self.file.shape(name)
-        stored = sum(os.path.getsize(os.path.join(self.path, f)) for f in os.listdir(self.path)
-                     if f.startswith("data."))
+        stored = sum(size for f, size in self.sizes.items() if f.startswith("data."))
         if n > stored:  # checked before the memory is asked for
             raise ValueError(f"{name} of {self.path} declares {n} bytes, more than the {stored} bytes of its data")
         out = np.empty(n, dtype=np.uint8)
@@ -271,77 +265,3 @@ class Adios2Backend(Backend):
             final = os.path.join(steps_dir, unit_name(step, SUFFIX))
             return Adios2CollectiveWriter(final, {**collective_defaults(group), **self.parameters}, group.mpi_comm)
         return super().begin_step(steps_dir, step, group, part)
-
-
-# ADIOS2 does not check its metadata, and reading damaged or truncated BP5
-# files can crash or hang the process. So each unit records the size of its
-# files and the xxh3 of its metadata files (data is covered by the tensors'
-# checksums), and readers check them before ADIOS2 opens the folder.
-CHECKSUMS = "checksums.json"
-_UNCHECKED = (CHECKSUMS, PROFILE)
-
-
-def _files_json(files: dict) -> bytes:
-    return json.dumps(files, sort_keys=True, separators=(",", ":")).encode()
-
-
-def write_checksums(folder: str) -> None:
-    """Record sizes and metadata checksums of a closed BP5 folder (before it is fsynced)."""
-    files = {}
-    for name in sorted(os.listdir(folder)):
-        path = os.path.join(folder, name)
-        if name in _UNCHECKED or not os.path.isfile(path):
-            continue
-        files[name] = {"size": os.path.getsize(path)}
-        if not name.startswith("data."):
-            with open(path, "rb") as f:
-                files[name]["xxh3"] = checksum_bytes(f.read())
-    doc = {"files": files, "xxh3": checksum_bytes(_files_json(files))}
-    with open(os.path.join(folder, CHECKSUMS), "w") as f:
-        json.dump(doc, f)
-
-
-def check_checksums(folder: str) -> None:
-    """Raise :class:`CorruptionError` naming the damaged file; units written
-    without ``checksums.json`` only get :func:`check_structure`."""
-    path = os.path.join(folder, CHECKSUMS)
-    if not os.path.exists(path):
-        check_structure(folder)
-        return
-    try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read())
-        files = doc["files"]
-        intact = checksum_bytes(_files_json(files)) == doc["xxh3"]
-    except (ValueError, KeyError, TypeError):
-        intact = False
-    if not intact:
-        raise CorruptionError(f"{path} is damaged: the step's BP5 files cannot be checked")
-    for name, want in files.items():
-        file = entry_path(folder, name, f"the file {name!r} of {CHECKSUMS}")
-        if not os.path.isfile(file):
-            raise CorruptionError(f"{file} is missing from the step's BP5 files")
-        size = os.path.getsize(file)
-        if size != want["size"]:
-            raise CorruptionError(f"{file} has {size} bytes, {want['size']} were written: it is truncated or damaged")
-        if "xxh3" in want:
-            with open(file, "rb") as f:
-                if checksum_bytes(f.read()) != want["xxh3"]:
-                    raise CorruptionError(f"{file} does not match its checksum: the step's BP5 metadata is damaged")
-
-
-# md.idx begins with a header of 64 bytes; its byte 37 is the BP format version.
-_INDEX_HEADER, _VERSION_AT = 64, 37
-
-
-def check_structure(folder: str) -> None:
-    """Raise :class:`CorruptionError` when a file ADIOS2 needs is missing or ``md.idx``
-    is no BP5 index: otherwise ADIOS2 fails, and prints its own error on stderr too."""
-    for name in ("md.idx", "md.0", "mmd.0", "data.0"):
-        if not os.path.isfile(os.path.join(folder, name)):
-            raise CorruptionError(f"{os.path.join(folder, name)} is missing from the step's BP5 files")
-    index = os.path.join(folder, "md.idx")
-    with open(index, "rb") as f:
-        header = f.read(_INDEX_HEADER)
-    if len(header) < _INDEX_HEADER or header[_VERSION_AT] != 5:
-        raise CorruptionError(f"{index} is no BP5 index ({len(header)} bytes read): the step's BP5 metadata is damaged")

@@ -9,12 +9,16 @@ a restore point, the others trajectory points, which keep every tensor of the
 source but this process's RNG state. No source can run code (torch files are
 read with ``weights_only=True``). RUN is created if missing, and removed again
 if no step could be imported into it; a RUN that has steps takes only steps
-after its newest. See :mod:`datastates_hist.importing`.
+after its newest. A step's line is printed once it is committed. A missing
+SOURCE exits 3. See :mod:`datastates_hist.importing`.
 """
 
 from __future__ import annotations
 
+import sys
+
 from ..retention import CODECS
+from . import EXIT_MISSING
 from .output import size
 
 
@@ -39,9 +43,13 @@ def run(args) -> int:
     from ..importing import DEFAULT_OPTIMIZER_TYPE, import_sources
     from ..importing.sources import find_sources
 
-    sources = find_sources(args.sources, args.step_from)  # every source checked before the run is opened
+    try:
+        sources = find_sources(args.sources, args.step_from)  # every source checked before the run is opened
+    except FileNotFoundError as exc:  # a missing source: exit 3, as a missing run or step
+        print(f"datastates-hist: {exc}", file=sys.stderr)
+        return EXIT_MISSING
 
-    def report(step) -> None:
+    def report(step) -> None:  # once the step is committed
         kind = "restore point" if step.restore_point else "trajectory point"
         print(f"step {step.source.step}: {step.source.path} ({step.source.kind}), {step.tensors} model tensors, "
               f"{size(step.nbytes)}, {kind}", flush=True)

@@ -150,34 +150,40 @@ IMPORT_CACHE_BYTES = 128 << 20
 def import_sources(run: str, sources: list[Source], *, backend: str | None = None, codec: str = "delta",
                    optimizer_type: str = DEFAULT_OPTIMIZER_TYPE, on_step=None) -> list[ImportedStep]:
     """Write ``sources`` (from :func:`find_sources`) into the run at ``run`` (created
-    if missing), one step each; ``on_step(ImportedStep)`` after each is written.
+    if missing), one step each; the steps committed, each given to
+    ``on_step(ImportedStep)`` once committed (and, for a trajectory point, demoted).
 
     A run that already has steps takes only steps after its newest (steps only
     grow): otherwise nothing is imported. A source that fails to read or to store
     stops the import; the steps before it are committed, and a run this call
-    created is removed when no step of it was.
+    created (or found an empty folder) is left as it was when no step of it was.
     """
     from ..checkpointer import Checkpointer
     from ..durable import remove_tree
     from ..retention import KeepEvery, Trajectory, demote_steps
 
+    _check_run_is_no_source(run, sources)
     reading = ((source, read_source(source)) for source in sources)
     first = next(reading, None)  # a first source that cannot be read leaves no run behind
     if first is None:
         return []
     created = not os.path.lexists(run)
+    was_empty = not created and os.path.isdir(run) and not os.path.islink(run) and not os.listdir(run)
     # every step in two units (model and extras' tensors; optimizer and RNG states): trajectory points drop
     # the second, which holds only this process's RNG state for them
     ckpt = Checkpointer(run, backend=backend, codec=codec, keep=KeepEvery(1),
                         trajectory=Trajectory("model/*", "extra/*"),
                         host_cache_bytes=IMPORT_CACHE_BYTES)
     trajectory_points: list[int] = []
-    imported: list[ImportedStep] = []
+    written: list[ImportedStep] = []
     try:
         _check_after(run, ckpt.steps(), sources)
         for source, contents in itertools.chain([first], reading):
             if not contents.model:
                 raise ValueError(f"cannot import {source.path}: it holds no model tensors")
+            if "" in contents.model:
+                raise ValueError(f"cannot import {source.path}: one of its model tensors has an empty name (''), "
+                                 "which the backends cannot store")
             optimizer = None if contents.optimizer is None else OptimizerState(contents.optimizer, optimizer_type)
             extra = extras(contents.extra, source)
             with rng_states(contents.rng):
@@ -187,11 +193,8 @@ def import_sources(run: str, sources: list[Source], *, backend: str | None = Non
                     raise ValueError(f"cannot import {source.path}: {exc}") from None
             if not contents.restore_point:
                 trajectory_points.append(source.step)
-            step = ImportedStep(source, contents.restore_point, len(contents.model),
-                                sum(t.numel() * t.element_size() for t in contents.model.values()))
-            imported.append(step)
-            if on_step is not None:
-                on_step(step)
+            written.append(ImportedStep(source, contents.restore_point, len(contents.model),
+                                        sum(t.numel() * t.element_size() for t in contents.model.values())))
     finally:
         try:
             ckpt.wait()
@@ -199,9 +202,25 @@ def import_sources(run: str, sources: list[Source], *, backend: str | None = Non
             committed = set(ckpt.steps())
             demote_steps(run, ckpt.index, [s for s in trajectory_points if s in committed])
             ckpt.close()
-            if created and not committed:
-                remove_tree(run)  # nothing was imported: leave no empty run behind
+            if (created or was_empty) and not committed:  # nothing was imported: leave the run as it was
+                for leftover in ([run] if created else [os.path.join(run, name) for name in os.listdir(run)]):
+                    remove_tree(leftover)
+            # only now is each step's line true: committed, and demoted where it is a trajectory point
+            imported = [step for step in written if step.source.step in committed]
+            if on_step is not None:
+                for step in imported:
+                    on_step(step)
     return imported
+
+
+def _check_run_is_no_source(run: str, sources: list[Source]) -> None:
+    """Refuse a run that is a source, or inside a source folder: the import would write into it."""
+    real = os.path.realpath(run)
+    for source in sources:
+        root = os.path.realpath(source.path)
+        if os.path.commonpath([root, real]) == root:
+            raise ValueError(f"cannot import into {run}: it is {'inside ' if real != root else ''}the source "
+                             f"{source.path}, which the import would write into; import into a new run")
 
 
 # the parameters of Checkpointer.write besides its extras

@@ -2,20 +2,22 @@
 without a process group, and without running code: DCP pickles its ``.metadata``
 (read here by an unpickler that knows only DCP's metadata classes) and its
 non-tensor items (loaded here with ``weights_only=True``). What the metadata
-says is checked before any byte is read: each storage entry a regular file
-inside the folder, within its size; each item's path and size sane."""
+says is checked before any byte is read: ``.metadata`` and each storage entry a
+regular file inside the folder, each entry within its file; each item's path,
+size and chunks sane."""
 
 from __future__ import annotations
 
 import math
 import os
 import pickle
+import struct
 import warnings
 from typing import Any
 
 import torch
 
-from .reading import first_line, refusal_line
+from .reading import check_expansion, check_regular, first_line, refusal_line
 
 # the files DCP's FileSystemWriter writes in one process (.metadata.tmp until the save completes)
 DCP_METADATA, DCP_METADATA_TMP, DCP_DATA_SUFFIX = ".metadata", ".metadata.tmp", ".distcp"
@@ -37,15 +39,39 @@ class RefusedGlobal(pickle.UnpicklingError):
     """A pickle asked for a global that DCP's metadata is not made of."""
 
 
-class DCPMetadataUnpickler(pickle.Unpickler):
+# the classes whose instances a DCP .metadata pickle fills in (BUILD): DCP's metadata dataclasses
+DCP_BUILT_CLASSES = frozenset({
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta")} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")})
+
+
+class DCPMetadataUnpickler(pickle._Unpickler):
     """Unpickles a DCP ``.metadata`` file (a plain pickle) refusing every global but
-    those DCP's metadata is made of, so that a crafted file runs no code."""
+    those DCP's metadata is made of, so that a crafted file runs no code; and
+    refusing to fill in (BUILD) anything but a fresh instance of DCP's metadata
+    classes, so that it cannot set attributes on a class it was given (a BUILD on
+    ``pathlib.PosixPath`` would change every path of the process) or on a shared
+    object (a dtype, an enum member). The Python unpickler: the C one has no BUILD
+    to override."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str):
         if (module, name) in DCP_METADATA_GLOBALS or (
                 module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise RefusedGlobal(f"Unsupported global: {module}.{name}")
+
+    def load_build(self):
+        target = self.stack[-2]  # BUILD: the object below its state
+        kind = type(target)
+        if isinstance(target, type) or (kind.__module__, kind.__qualname__) not in DCP_BUILT_CLASSES:
+            shown = target if isinstance(target, type) else f"a {kind.__module__}.{kind.__qualname__}"
+            raise RefusedGlobal(f"Unsupported BUILD: setting the attributes of {shown}")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def checkpoint_failure(exc: BaseException) -> BaseException:
@@ -83,24 +109,34 @@ def read_dcp(folder: str) -> dict:
         if isinstance(cause, pickle.UnpicklingError):
             raise OSError(f"cannot read {folder}: an item's data is damaged or not a torch file") from None
         raise OSError(f"cannot read {folder}: {type(cause).__name__}: {first_line(cause)}") from None
-    return _nest(folder, [(paths.get(fqn, (fqn,)), value) for fqn, value in flat.items()])
+    nested = _nest(folder, [(paths.get(fqn, (fqn,)), value) for fqn, value in flat.items()])
+    # its non-tensor items are pickles too; its tensors are new ones, their sizes checked before the read
+    check_expansion(nested, folder, _stored_bytes(folder, metadata), tensors=False)
+    return nested
+
+
+def _stored_bytes(folder: str, metadata) -> int:
+    """The bytes of the files the storage entries name."""
+    return sum(os.path.getsize(os.path.join(folder, p))
+               for p in {info.relative_path for info in metadata.storage_data.values()})
 
 
 def read_metadata(folder: str):
     """The ``.metadata`` of a DCP folder, unpickled so that it runs no code."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    metadata_path = os.path.join(folder, DCP_METADATA)
+    metadata_path = check_regular(os.path.join(folder, DCP_METADATA), folder)
     try:
         with open(metadata_path, "rb") as f:
             metadata = DCPMetadataUnpickler(f).load()
     except RefusedGlobal as exc:
         raise ValueError(f"refused {metadata_path}: it holds more than DCP's metadata, and loading it "
                          f"could run code ({first_line(exc)})") from None
-    except (OSError, EOFError, AttributeError, ValueError, TypeError, IndexError, pickle.UnpicklingError) as exc:
+    except (OSError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError, struct.error,
+            OverflowError, MemoryError, pickle.UnpicklingError) as exc:
         raise OSError(f"cannot read {metadata_path}: damaged or not DCP metadata ({first_line(exc)})") from None
-    if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
-            and isinstance(metadata.storage_data, dict)):
+    if not (isinstance(metadata, Metadata) and isinstance(getattr(metadata, "state_dict_metadata", None), dict)
+            and isinstance(getattr(metadata, "storage_data", None), dict)):
         raise ValueError(f"cannot import {folder}: {metadata_path} is not DCP metadata")
     return metadata
 
@@ -130,13 +166,17 @@ def check_storage(folder: str, metadata) -> None:
 
 def _empty_state_dict(folder: str, metadata) -> dict:
     """The flat state dict DCP loads into: an empty tensor of each stored tensor's
-    dtype and size (refused when no bigger than the folder's data could fill), None
-    for each non-tensor item."""
+    dtype and size, None for each non-tensor item.
+
+    A tensor's chunks must tile it exactly (else DCP leaves the rest of the empty
+    tensor as it was: uninitialised memory), each read from a storage entry. Where
+    no transform (compression) applies to the entries read, each chunk must fit in
+    its entry, and all such tensors together in the folder's files: a crafted
+    folder of a few KB makes no TiB allocation."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    stored = sum(os.path.getsize(os.path.join(folder, p))
-                 for p in {info.relative_path for info in metadata.storage_data.values()})
-    compressed = any(getattr(info, "transform_descriptors", None) for info in metadata.storage_data.values())
+    stored = _stored_bytes(folder, metadata)
+    plain_total = 0  # the bytes of the tensors read without a transform
     flat: dict[str, Any] = {}
     for fqn, meta in metadata.state_dict_metadata.items():
         if not isinstance(fqn, str):
@@ -147,22 +187,84 @@ def _empty_state_dict(folder: str, metadata) -> dict:
         if not isinstance(meta, TensorStorageMetadata):
             raise ValueError(f"cannot import {folder}: its metadata describes {fqn!r} as {type(meta).__name__}")
         dtype, size = getattr(getattr(meta, "properties", None), "dtype", None), getattr(meta, "size", None)
-        if not (isinstance(dtype, torch.dtype) and isinstance(size, tuple)
-                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in size)):
+        if not (isinstance(dtype, torch.dtype) and _is_shape(size)):
             raise ValueError(f"cannot import {folder}: its metadata gives {fqn!r} the dtype {dtype!r} and size "
                              f"{size!r}")
         nbytes = math.prod(size) * dtype.itemsize
-        if nbytes > stored and not compressed:
-            raise ValueError(f"cannot import {folder}: its metadata gives {fqn!r} {nbytes} bytes, more than the "
-                             f"{stored} its files hold")
-        flat[fqn] = torch.empty(size, dtype=dtype)
+        entries = _chunk_entries(folder, metadata, fqn, meta)
+        if not any(getattr(entry, "transform_descriptors", None) for _, entry in entries):
+            plain_total += nbytes
+            if nbytes > stored:
+                raise ValueError(f"cannot import {folder}: its metadata gives {fqn!r} {nbytes} bytes, more than "
+                                 f"the {stored} its files hold")
+            if plain_total > stored:
+                raise ValueError(f"cannot import {folder}: its metadata gives its tensors {plain_total} bytes or "
+                                 f"more, more than the {stored} its files hold")
+            for chunk, entry in entries:
+                chunk_bytes = math.prod(chunk.sizes) * dtype.itemsize
+                if chunk_bytes > entry.length:
+                    raise ValueError(f"cannot import {folder}: its metadata gives a chunk of {fqn!r} {chunk_bytes} "
+                                     f"bytes, more than the {entry.length} of its storage entry")
+        try:
+            _check_tiling(folder, fqn, size, [chunk for chunk, _ in entries])
+            flat[fqn] = torch.empty(size, dtype=dtype)
+        except RuntimeError:  # a size only a transform could fill, beyond this machine's memory
+            raise ValueError(f"cannot import {folder}: its metadata gives {fqn!r} {nbytes} bytes, more than this "
+                             "process can allocate") from None
     return flat
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, tuple) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                            for n in value)
+
+
+def _chunk_entries(folder: str, metadata, fqn: str, meta) -> list[tuple[Any, Any]]:
+    """Each chunk of tensor ``fqn``, inside it, with the storage entry DCP reads it from."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    size, chunks = meta.size, getattr(meta, "chunks", None)
+    where = f"cannot import {folder}: its metadata gives {fqn!r}"
+    if not isinstance(chunks, list):
+        raise ValueError(f"{where} the chunks {chunks!r}, not a list")
+    entries = []
+    for chunk in chunks:
+        offsets, sizes = (_plain(getattr(chunk, field, None)) for field in ("offsets", "sizes"))
+        if not (_is_shape(offsets) and _is_shape(sizes) and len(offsets) == len(sizes) == len(size)
+                and all(o + n <= d for o, n, d in zip(offsets, sizes, size))):
+            raise ValueError(f"{where} (size {tuple(size)}) a chunk at {offsets!r} of size {sizes!r}, not inside it")
+        entry = metadata.storage_data.get(MetadataIndex(fqn, offsets))
+        if entry is None:
+            raise ValueError(f"{where} a chunk at {offsets} that no storage entry holds")
+        entries.append((chunk, entry))
+    return entries
+
+
+def _plain(value: Any) -> Any:
+    """A ``torch.Size`` as a plain tuple, for messages."""
+    return tuple(value) if isinstance(value, tuple) else value
+
+
+def _check_tiling(folder: str, fqn: str, size: tuple, chunks: list) -> None:
+    """Refuse chunks (each inside the tensor) that do not tile it exactly: DCP leaves
+    what no chunk covers as the empty tensor had it, uninitialised memory. Their
+    volumes must add up to the tensor's and together cover all of it (so none overlaps)."""
+    volume, numel = sum(math.prod(c.sizes) for c in chunks), math.prod(size)
+    if volume == numel and len(chunks) > 1:  # (one chunk inside the tensor, of its volume, is all of it)
+        cover = torch.zeros(size, dtype=torch.bool)
+        for chunk in chunks:
+            cover[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))] = True
+        volume = int(cover.sum())
+    if volume != numel:
+        raise ValueError(f"cannot import {folder}: its metadata gives {fqn!r} chunks that do not tile it ({volume} "
+                         f"of its {numel} elements covered, or some twice): the rest would be uninitialised memory")
 
 
 def _planner_paths(folder: str, metadata, items: int) -> dict[str, tuple]:
     """Each item's path in the nested state dict (DCP's ``planner_data``): a non-empty
     tuple of keys, an int key a list index below the count of items."""
-    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    paths = getattr(metadata, "planner_data", None)
+    paths = paths if isinstance(paths, dict) else {}
     for fqn, path in paths.items():
         if not (isinstance(path, tuple) and path and all(
                 isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k < items)

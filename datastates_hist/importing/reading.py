@@ -5,30 +5,62 @@ RNG states), safetensors, JSON; every failure as one line naming the file."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import stat
 from typing import Any
 
 import numpy as np
 import torch
 
 
+# the numpy dtypes of the plain arrays a torch file may hold (never objects, strings, records)
+NUMPY_PLAIN_DTYPES = (np.bool_, np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
+                      np.uint8, np.uint16, np.uint32, np.uint64)
+
+
 def numpy_globals() -> list:
-    """What an RNG state of numpy needs to load (the allowlist transformers uses)."""
+    """What a plain numpy array needs to load: the allowlist transformers uses for its
+    RNG states (a uint32 array), with the other numeric dtypes beside uint32."""
     core = getattr(np, "_core", None) or np.core
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, *(type(np.dtype(t)) for t in NUMPY_PLAIN_DTYPES)]
+
+
+def check_regular(path: str, folder: str | None = None) -> str:
+    """``path``, checked before anything opens it: a regular file (a FIFO or a device
+    would block the import, or never end), and inside ``folder`` by real path when
+    given (a link out of a source folder is not the folder's)."""
+    if folder is not None:
+        root = os.path.realpath(folder)
+        if os.path.commonpath([root, os.path.realpath(path)]) != root:
+            raise ValueError(f"cannot import {folder}: {os.path.basename(path)} links outside the folder")
+    try:
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except OSError as exc:  # a link to nothing
+        raise ValueError(f"cannot import {path}: not a regular file ({exc.strerror})") from None
+    if not regular:
+        raise ValueError(f"cannot import {path}: not a regular file")
+    return path
 
 
 def load_torch(path: str) -> Any:
     """``torch.load`` of ``path`` that runs no code: plain tensors and values only
     (memory-mapped where the file's format allows)."""
+    mapped: list[torch.UntypedStorage] = []
+
+    def on_cpu(storage, _location):  # torch's map_location, keeping each storage mapped to check it
+        mapped.append(storage)
+        return storage
+
     with torch.serialization.safe_globals(numpy_globals()):
         try:
             try:
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                obj = torch.load(path, map_location=on_cpu, weights_only=True, mmap=True)
             except RuntimeError as exc:
                 if "mmap" not in str(exc):
                     raise
-                return torch.load(path, map_location="cpu", weights_only=True)  # the legacy format
+                mapped.clear()  # the legacy format: read, not mapped
+                obj = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             refused = refusal_line(exc)
             if refused is None:
@@ -37,6 +69,91 @@ def load_torch(path: str) -> Any:
                              f"could run code ({refused})") from None
         except (OSError, EOFError, RuntimeError, ValueError) as exc:
             raise OSError(f"cannot read {path}: {first_line(exc)}") from exc
+    check_records(path, mapped)
+    check_expansion(obj, path, os.path.getsize(path))
+    return obj
+
+
+def check_records(path: str, storages: list[torch.UntypedStorage]) -> None:
+    """Refuse a zip torch file whose storages are not each exactly one ``data/`` record:
+    a memory-mapped ``torch.load`` takes a storage's bytes from its record's offset on
+    without the size check of a plain load, so a short record would lend the storage
+    bytes of the zip headers that follow it.
+
+    The mapped storages are slices of one mapping of the file, at unknown address
+    ``base``: the file is sound when one ``base`` puts every storage on the start of a
+    record of its size."""
+    sized = [(s.data_ptr(), s.nbytes()) for s in storages if s.nbytes()]
+    if not sized:
+        return
+    try:
+        reader = torch._C.PyTorchFileReader(path)  # torch's own zip reader: the offsets its load used
+        records = {reader.get_record_offset(name): reader.get_record_size(name)
+                   for name in reader.get_all_records() if name.startswith("data/")}
+    except RuntimeError as exc:  # changed since it was loaded (truncated by a writer)
+        raise OSError(f"cannot read {path}: {first_line(exc)}") from None
+    first = min(ptr for ptr, _ in sized)
+    for offset in sorted(records):  # the first storage on each record in turn
+        base = first - offset
+        if all(records.get(ptr - base) == nbytes for ptr, nbytes in sized):
+            return
+    raise OSError(f"cannot read {path}: its tensors' storages do not match the records holding their bytes "
+                  "(a record shorter or longer than its storage): damaged")
+
+
+# What a loaded object may expand to, walked as the tree the import walks and stores,
+# per byte of its file: in entries (lists, dicts, values), each of which takes at least
+# one byte of pickle unless pickle's memo shares it, which real checkpoints do little (a
+# "billion laughs", x = [x, x] d deep, is 2**d entries from d); and in tensor bytes,
+# which real checkpoints take from the file but for a tied weight or two (a view that
+# expands one element, or many views of one storage, would take any size from none).
+EXPANSION = 16
+
+
+def check_expansion(obj: Any, path: str, nbytes: int, *, tensors: bool = True) -> None:
+    """Refuse an object read from ``nbytes`` of file that, walked as a tree, would
+    have far more entries or (where ``tensors``) tensor bytes than the file could hold."""
+    entries, tensor_bytes = tree_size(obj)
+    limit = EXPANSION * max(nbytes, 1024)
+    if entries > limit:
+        raise ValueError(f"cannot import {path}: its lists and dicts, shared many times over, would expand to "
+                         f"{entries} entries from {nbytes} bytes (more than {limit}): refused")
+    if tensors and tensor_bytes > limit:
+        raise ValueError(f"cannot import {path}: its tensors would take {tensor_bytes} bytes from {nbytes} bytes "
+                         f"of file (more than {limit}: views that expand or repeat one storage): refused; save "
+                         "copies of them (.clone()) to import them")
+
+
+def tree_size(obj: Any) -> tuple[int, int]:
+    """The entries and the tensor bytes of ``obj`` walked as a tree (a list, tuple or
+    dict counted each place it is held), computed once per container: a shared one
+    costs one visit."""
+    sizes: dict[int, tuple[int, int]] = {}  # id -> (entries, tensor bytes) with it; (1, 0) while counted (a cycle)
+    todo: list[tuple[Any, bool]] = [(obj, False)]
+    while todo:
+        node, counted = todo.pop()
+        if counted:
+            below = [sizes[id(c)] if _is_container(c) else _leaf_size(c) for c in _children(node)]
+            sizes[id(node)] = (1 + sum(n for n, _ in below), sum(b for _, b in below))
+        elif _is_container(node) and id(node) not in sizes:
+            sizes[id(node)] = (1, 0)
+            todo.append((node, True))
+            todo.extend((c, False) for c in _children(node) if _is_container(c) and id(c) not in sizes)
+    return sizes[id(obj)] if _is_container(obj) else _leaf_size(obj)
+
+
+def _is_container(x: Any) -> bool:
+    return isinstance(x, (dict, list, tuple, set, frozenset))
+
+
+def _children(container: Any):
+    return container.values() if isinstance(container, dict) else container
+
+
+def _leaf_size(x: Any) -> tuple[int, int]:
+    if isinstance(x, torch.Tensor) and x.layout == torch.strided:  # a sparse tensor is refused when written
+        return 1, x.numel() * x.element_size()
+    return 1, 0
 
 
 # what torch's weights_only unpickler says when it refuses a global or a type to build

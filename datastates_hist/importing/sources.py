@@ -5,15 +5,18 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..collect import step_number
+from ..values import MAX_DEPTH
 from .dcp_folders import DCP_METADATA, read_dcp
-from .reading import load_safetensors, load_torch, read_json
+from .reading import check_regular, first_line, load_safetensors, load_torch, read_json
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")  # .ckpt: Lightning's torch.save files
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -71,11 +74,10 @@ def source_kind(path: str) -> str:
         raise ValueError(f"cannot import {path}: a folder holding neither {DCP_METADATA} (DCP) nor "
                          f"{' / '.join(HF_WEIGHTS)} (transformers); a source is {SOURCE_HELP}")
     suffix = os.path.splitext(path)[1].lower()
-    if suffix in TORCH_SUFFIXES:
-        return "torch"
-    if suffix == SAFETENSORS_SUFFIX:
-        return "safetensors"
-    raise ValueError(f"cannot import {path}: unknown kind of file (a source is {SOURCE_HELP})")
+    if suffix not in TORCH_SUFFIXES + (SAFETENSORS_SUFFIX,):
+        raise ValueError(f"cannot import {path}: unknown kind of file (a source is {SOURCE_HELP})")
+    check_regular(path)
+    return "safetensors" if suffix == SAFETENSORS_SUFFIX else "torch"
 
 
 def step_pattern(regex: str | None) -> re.Pattern:
@@ -199,26 +201,71 @@ def _string_keys(entries: dict, path: str) -> dict[str, Any]:
     return out
 
 
-def _flat(tree: dict, where: str, prefix: str = "", out: dict | None = None) -> dict:
+def _flat(tree: dict, where: str) -> dict:
     """A nested dict of tensors as one state dict with ``.``-joined names (a model's
-    state dict as DCP and some trainers nest it); two entries of one name refused."""
-    out = {} if out is None else out
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            _flat(value, where, f"{name}.", out)
-        elif name in out:
-            raise ValueError(f"cannot import {where}: two of its tensors are named {name!r} (one nested)")
-        else:
+    state dict as DCP and some trainers nest it); two entries of one name refused.
+    Iterative (the dicts of a file can nest deeper than Python recurses), in order."""
+    out: dict = {}
+    open_dicts = [("", iter(tree.items()))]  # the dicts being walked, innermost last, each with its prefix
+    while open_dicts:
+        prefix, entries = open_dicts[-1]
+        for key, value in entries:
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                if len(open_dicts) >= MAX_DEPTH:
+                    raise ValueError(f"cannot import {where}: its dicts are nested more than {MAX_DEPTH} levels deep")
+                open_dicts.append((f"{name}.", iter(value.items())))
+                break
+            if name in out:
+                raise ValueError(f"cannot import {where}: two of its tensors are named {name!r} (one nested)")
             out[name] = value
+        else:
+            open_dicts.pop()
     return out
 
 
 def _optimizer_state(obj: Any, where: str) -> dict:
+    """An optimizer's state dict: ``param_groups`` dicts each with a ``params`` list
+    of parameter keys (ints, or names), and ``state`` a dict of one per parameter."""
     if not (isinstance(obj, dict) and isinstance(obj.get("state"), dict)
             and isinstance(obj.get("param_groups"), list)):
         raise ValueError(f"cannot import {where}: expected an optimizer state dict (state, param_groups), "
                          f"found {_describe(obj)}")
+    wrong = f"cannot import {where}: expected an optimizer state dict, but"
+    for n, group in enumerate(obj["param_groups"]):
+        if not (isinstance(group, dict) and isinstance(group.get("params"), list)):
+            raise ValueError(f"{wrong} its param_groups[{n}] is {_describe(group)}, not a dict with a 'params' list")
+        for p in group["params"]:
+            if not (isinstance(p, (int, str)) and not isinstance(p, bool)):
+                raise ValueError(f"{wrong} its param_groups[{n}]['params'] holds {p!r}, not a parameter's index "
+                                 "or name")
+    for key, entry in obj["state"].items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"{wrong} its state[{key!r}] is {_describe(entry)}, not a dict of one parameter's state")
+    return obj
+
+
+# each RNG state a Trainer's rng_state.pth may hold that the import sets, checked on a generator of its own
+RNG_CHECKS = {
+    "cpu": ("a torch CPU", lambda state: torch.Generator().set_state(state)),
+    "numpy": ("a numpy", lambda state: np.random.RandomState().set_state(state)),
+    "python": ("a Python random", lambda state: random.Random().setstate(state)),
+}
+
+
+def _rng_states(obj: Any, path: str) -> dict:
+    """A Trainer's ``rng_state.pth``: a dict whose ``cpu``, ``numpy`` and ``python``
+    states (where present) this process could take."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"cannot import {path}: expected a Trainer's RNG states (a dict: cpu, numpy, python, ...), "
+                         f"found {_describe(obj)}")
+    for key, (what, check) in RNG_CHECKS.items():
+        if key in obj:
+            try:
+                check(obj[key])
+            except (TypeError, ValueError, RuntimeError, IndexError, KeyError, OverflowError) as exc:
+                raise ValueError(f"cannot import {path}: its {key!r} entry is not {what} RNG state "
+                                 f"({first_line(exc)})") from None
     return obj
 
 
@@ -234,33 +281,48 @@ def read_transformers(folder: str) -> Contents:
                              "earlier shard; which one is the model's?")
         model.update(weights)
     optimizer, extra = None, {}
-    if os.path.exists(os.path.join(folder, HF_OPTIMIZER)):
-        path = os.path.join(folder, HF_OPTIMIZER)
+    path = _member(folder, HF_OPTIMIZER)
+    if path is not None:
         optimizer = _optimizer_state(load_torch(path), path)
     for name, key in ((HF_SCHEDULER, "scheduler"), (HF_SCALER, "scaler")):
-        if os.path.exists(os.path.join(folder, name)):
-            extra[key] = load_torch(os.path.join(folder, name))
+        path = _member(folder, name)
+        if path is not None:
+            extra[key] = load_torch(path)
     for name, key in HF_JSON_EXTRAS.items():
-        if os.path.exists(os.path.join(folder, name)):
-            extra[key] = read_json(os.path.join(folder, name))
-    rng = None
-    if os.path.exists(os.path.join(folder, HF_RNG)):
-        rng = load_torch(os.path.join(folder, HF_RNG))
+        path = _member(folder, name)
+        if path is not None:
+            extra[key] = read_json(path)
+    path = _member(folder, HF_RNG)
+    rng = None if path is None else _rng_states(load_torch(path), path)
     return Contents(model, optimizer, extra, rng)
+
+
+def _member(folder: str, name: str) -> str | None:
+    """The path of the file ``name`` of ``folder``, None where the folder has none;
+    refused where it is no regular file (see :func:`.check_regular`). It may be a link
+    out of the folder: a Hugging Face hub cache snapshot is a folder of links into the
+    cache's ``blobs/``, and the user named the folder to read."""
+    path = os.path.join(folder, name)
+    return check_regular(path) if os.path.lexists(path) else None
 
 
 def _weight_files(folder: str) -> list[str]:
     for name in HF_WEIGHTS:
-        if os.path.exists(os.path.join(folder, name)):
-            return [os.path.join(folder, name)]
-    index_name = next(n for n in HF_INDEXES if os.path.exists(os.path.join(folder, n)))
+        path = _member(folder, name)
+        if path is not None:
+            return [path]
+    index_name = next(n for n in HF_INDEXES if _member(folder, n) is not None)
     weight_map = read_json(os.path.join(folder, index_name)).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(f"cannot import {folder}: {index_name} has no weight_map")
     files = []
     for shard in dict.fromkeys(weight_map.values()):
-        if not isinstance(shard, str) or os.path.basename(shard) != shard:
+        if not isinstance(shard, str) or os.path.basename(shard) != shard or shard in ("", ".", ".."):
             raise ValueError(f"cannot import {folder}: {index_name} names the shard {shard!r}, "
                              "not a file of the folder")
-        files.append(os.path.join(folder, shard))
+        path = _member(folder, shard)
+        if path is None:
+            raise OSError(f"cannot read {os.path.join(folder, shard)}: {index_name} lists it, and there is no "
+                          "such file")
+        files.append(path)
     return files
