@@ -38,7 +38,7 @@ from .durable import remove_tree
 from .errors import CorruptionError
 from .index import FORMAT_VERSION, Index, StepRow, check_location
 from .items import TensorRecord, under
-from .layout import PARTIAL, restore_unit, steps_dir
+from .layout import PARTIAL, restore_unit, step_of_unit, steps_dir
 from .retention import Retention, apply_retention
 from .scalars import scalars_of
 from .sharding import merge_records
@@ -272,7 +272,7 @@ def _refuse_units_of_committed_steps(index: Index, steps_dir: str, unnamed: list
     restore_rows = None  # read only when needed: a scan of every tensor row
     kept = []
     for entry in unnamed:
-        step = _step_of_unit(entry)
+        step = step_of_unit(entry)
         row = rows.get(step) if step is not None and not entry.endswith(PARTIAL) else None
         if row is None:
             continue
@@ -288,12 +288,6 @@ def _refuse_units_of_committed_steps(index: Index, steps_dir: str, unnamed: list
             f"the index of {run_dir} says step {row.step} is a {row.tier} step stored as {row.location}, but "
             f"{entry} of that step is there too ({len(kept)} such unit(s)): the index is damaged, so they may be "
             f"committed data; nothing was changed. Rebuild the index with: datastates-hist repair {run_dir}")
-
-
-def _step_of_unit(entry: str) -> int | None:
-    """The step a unit's name says (``000000000012.bp``, ``000000000012.restore.h5``), or None."""
-    stem = entry.partition(".")[0]
-    return int(stem) if stem.isascii() and stem.isdigit() else None
 
 
 def _refuse_units_older_than_index(index: Index, steps_dir: str, unnamed: list[str]) -> None:

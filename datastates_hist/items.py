@@ -142,6 +142,11 @@ class TensorRecord:
         return bits - self.keep_bits
 
     @property
+    def base_steps(self) -> list[int]:
+        """The steps a delta is decoded against: ``base``, then ``base2`` ([] for no delta)."""
+        return [step for step in (self.base, self.base2) if step is not None]
+
+    @property
     def has_low_bits(self) -> bool:
         """Whether the exact value can be read: rounded, with its low bits in the restore unit."""
         return self.low_stored is not None

@@ -64,6 +64,23 @@ def restore_unit(location: str) -> str:
     return stem + RESTORE_PART + dot + suffix
 
 
+def main_of_restore_unit(unit: str) -> str | None:
+    """The main unit whose restore unit ``unit`` is named as (``<step>.restore<suffix>``
+    -> ``<step><suffix>``), or None when ``unit`` is not so named (a main unit, or no step's)."""
+    stem, _, rest = unit.partition(".")
+    mark = RESTORE_PART[1:]
+    if not (stem.isascii() and stem.isdigit()) or (rest != mark and not rest.startswith(mark + ".")):
+        return None
+    main = stem + rest[len(mark):]
+    return main if restore_unit(main) == unit else None
+
+
+def step_of_unit(unit: str) -> int | None:
+    """The step a unit's name (``<step><suffix>``, or ``<step>.restore<suffix>``) says, or None."""
+    stem = os.path.splitext(main_of_restore_unit(unit) or unit)[0]
+    return int(stem) if stem.isascii() and stem.isdigit() else None
+
+
 def rank_file(rank: int, suffix: str) -> str:
     """The name of rank ``rank``'s file inside a ``.ranks`` unit."""
     return f"rank{rank:05d}{suffix}"

@@ -73,8 +73,8 @@ from .durable import fsync_dir, fsync_path, remove_tree, rename_into_place
 from .errors import CorruptionError, FormatError, StoreNotFoundError
 from .index import FORMAT_VERSION, Index, StepRow
 from .items import TensorRecord
-from .layout import (DAMAGED_DIR, MAX_STEP, RANKS_SUFFIX, REBUILDING_DIR, RESTORE_PART, finished_units, index_path,
-                     rank_file, restore_unit, steps_dir, take_writer_lock)
+from .layout import (DAMAGED_DIR, MAX_STEP, RANKS_SUFFIX, REBUILDING_DIR, finished_units, index_path,
+                     main_of_restore_unit, rank_file, restore_unit, step_of_unit, steps_dir, take_writer_lock)
 from .scalars import scalars_of
 from .store import DECODED_PER_TENSOR, StepData
 
@@ -173,7 +173,7 @@ def repair_run(run_dir: str, force: bool = False, verify: bool = True) -> Repair
             for unit, why in bad:
                 _set_aside(run_dir, unit, why, report)
             report.moved_index = _swap_in(run_dir, new_index, healthy=diagnosis is None)
-            with_data = {_step_of(u) for u in finished_units(run_dir) + list(report.set_aside)} - {None}
+            with_data = {step_of_unit(u) for u in finished_units(run_dir) + list(report.set_aside)} - {None}
             report.lost = sorted(set(old_times) - with_data)
         report.leftover_removed = leftover_removed
         report.in_damaged = _in_damaged(run_dir)
@@ -182,26 +182,9 @@ def repair_run(run_dir: str, force: bool = False, verify: bool = True) -> Repair
         os.close(lock_fd)
 
 
-def _step_of(unit: str) -> int | None:
-    """The step a unit's name (``<step><suffix>``, or ``<step>.restore<suffix>``) says, or None."""
-    stem = os.path.splitext(_main_of(unit) or unit)[0]
-    return int(stem) if stem.isascii() and stem.isdigit() else None
-
-
-def _main_of(unit: str) -> str | None:
-    """The main unit whose restore unit ``unit`` is named as (``<step>.restore<suffix>``
-    -> ``<step><suffix>``), or None when ``unit`` is not so named (a main unit, or no step's)."""
-    stem, _, rest = unit.partition(".")
-    mark = RESTORE_PART[1:]
-    if not (stem.isascii() and stem.isdigit()) or (rest != mark and not rest.startswith(mark + ".")):
-        return None
-    main = stem + rest[len(mark):]
-    return main if restore_unit(main) == unit else None
-
-
 def _unit_order(unit: str) -> tuple:
     """Units by step number (names without one last), so that delta bases come first."""
-    step = _step_of(unit)
+    step = step_of_unit(unit)
     return (step is None, step or 0, unit)
 
 
@@ -268,8 +251,8 @@ def _commit_units(run_dir: str, index: Index, units: list[str], backends, old_ti
     when that is intact too); ``(the steps committed, [(unit, why) not committed]``."""
     bad: list[tuple[str, str]] = []
     bases = _AcceptedUnits(run_dir)
-    restores = {main: unit for unit in units if (main := _main_of(unit)) is not None}
-    for unit in sorted((u for u in units if _main_of(u) is None), key=_unit_order):
+    restores = {main: unit for unit in units if (main := main_of_restore_unit(unit)) is not None}
+    for unit in sorted((u for u in units if main_of_restore_unit(u) is None), key=_unit_order):
         restore = restores.pop(unit, None)
         try:
             row, records, scalars, restore_checksum = _read_unit(run_dir, unit, backends, old_times, verify,
@@ -400,7 +383,7 @@ def _read_unit(run_dir: str, unit: str, backends, old_times: dict[int, float], v
     if damaged. A main unit that names a restore unit is a trajectory point until
     its restore unit is found intact."""
     _check_inside_steps(run_dir, unit)
-    step = _step_of(unit)
+    step = step_of_unit(unit)
     if step is None:
         raise ValueError("not a step unit (its name is not <step> and a suffix)")
     if step > MAX_STEP:
@@ -504,8 +487,8 @@ class _AcceptedUnits:
     def check(self, step: int, records: list[TensorRecord]) -> None:
         """Raise unless every delta among ``records`` (of ``step``) has its base accepted."""
         for rec in records:
-            for base in (rec.base, rec.base2):
-                if base is not None and (base >= step or base not in self.rows):
+            for base in rec.base_steps:
+                if base >= step or base not in self.rows:
                     raise CorruptionError(f"tensor {rec.name!r} is a delta against step {base}, which has no "
                                           "intact unit before it (it is missing or damaged): it cannot be decoded")
 

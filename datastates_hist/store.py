@@ -223,8 +223,8 @@ class StepData:
                 batches[-1].append(rec)
                 size += rec.stored
         if bases is None and self._bases is not None:  # the deltas' bases, a step at a time
-            bases = self._bases.warm_bases([(step, r.name) for r in wanted for step in (r.base, r.base2)
-                                            if step is not None and step < self.row.step])
+            bases = self._bases.warm_bases([(step, r.name) for r in wanted for step in r.base_steps
+                                            if step < self.row.step])
         with ThreadPoolExecutor(DECODERS, thread_name_prefix="dh-decode") as pool:
             for batch in batches:
                 with self._as_damage("the tensors"):
@@ -338,7 +338,7 @@ class StepData:
                 out[dst] = data[src]
         return out
 
-    def stored(self, rec: TensorRecord, bases: dict[int, np.ndarray] | None = None) -> np.ndarray:
+    def stored(self, rec: TensorRecord, bases: dict | None = None) -> np.ndarray:
         """The stored bytes of ``rec`` (1-D uint8, C order), checked against its checksum
         (``bases``: as :meth:`decoded` takes them)."""
         if rec.encoding != "raw":
@@ -362,18 +362,15 @@ class StepData:
         return exact
 
     def decoded(self, rec: TensorRecord, blob: np.ndarray | None = None, out: np.ndarray | None = None,
-                remember: bool = True, bases: dict[int, np.ndarray] | None = None) -> np.ndarray:
+                remember: bool = True, bases: dict | None = None) -> np.ndarray:
         """The stored bytes (1-D uint8) of encoded tensor ``rec``: its chunks read and
         decompressed, added to the prediction from its bases for a delta, and checked
         against its checksum (always: a part of a tensor decodes the whole of it anyway,
         and a decoded value may become the base of others). ``blob``: its stored bytes,
         already read; ``out``: where to decode it (1-D uint8 of ``rec.nbytes``);
-        ``remember``: keep the value as a base of later reads; ``bases``: the values
-        of its bases by step, when the caller has them (else they are read)."""
-        if bases is None:
-            bases = self._bases_of(rec)
-        else:
-            bases = [self._sized(rec, b, bases[b]) for b in (rec.base, rec.base2) if b is not None]
+        ``remember``: keep the value as a base of later reads; ``bases``: values of its
+        bases the caller holds, ``(step, name) -> bytes`` (else they are read)."""
+        bases = self._given_bases(rec, bases)
         out = self._decode_buffer(rec) if out is None else out
         if blob is None:
             blob = self._read_blob(rec, rec.part, rec.stored)
@@ -384,15 +381,13 @@ class StepData:
 
     def _given_bases(self, rec: TensorRecord, bases: dict | None) -> list[np.ndarray]:
         """``rec``'s bases from ``bases`` (``(step, name) -> bytes``) if it holds them all, else read."""
-        steps = [step for step in (rec.base, rec.base2) if step is not None]
-        if bases and all((step, rec.name) in bases for step in steps):
-            return [self._sized(rec, step, bases[step, rec.name]) for step in steps]
+        if bases and all((step, rec.name) in bases for step in rec.base_steps):
+            return [self._sized(rec, step, bases[step, rec.name]) for step in rec.base_steps]
         return self._bases_of(rec)
 
     def _bases_of(self, rec: TensorRecord) -> list[np.ndarray]:
-        steps = [step for step in (rec.base, rec.base2) if step is not None]
         pinned: dict[int, np.ndarray] = {}  # the first base's walk decodes the second: kept for it
-        return [self._base(rec, step, pinned, steps) for step in steps]
+        return [self._base(rec, step, pinned, rec.base_steps) for step in rec.base_steps]
 
     def _decode_buffer(self, rec: TensorRecord) -> np.ndarray:
         try:
@@ -605,7 +600,7 @@ class Store:
                     if cached is not None:
                         pinned[at] = cached  # held: remember() may let it go meanwhile
                         continue
-                    needs[at] = [b for b in (rec.base, rec.base2) if b is not None]
+                    needs[at] = rec.base_steps
                     for b in needs[at]:
                         if b >= at:  # steps only go down: a crafted chain cannot loop
                             raise CorruptionError(f"tensor {name!r} of step {at} in {self.run_dir} is a delta "
@@ -615,7 +610,7 @@ class Store:
                 last_use = {b: at for at in sorted(needs) for b in needs[at]}
                 for at in sorted(needs):
                     data, rec, _ = self._base_record(at, name)
-                    pinned[at] = data.stored(rec, bases=pinned)
+                    pinned[at] = data.stored(rec, bases={(b, name): pinned[b] for b in needs[at]})
                     self.remember(data.row, name, pinned[at])  # a raw base too
                     for b in needs[at]:
                         if last_use[b] == at and b != step and b not in keep:
@@ -652,8 +647,8 @@ class Store:
                         held[step, name] = cached
                         continue
                     by_step.setdefault(step, {})[name] = None
-                    for b in (rec.base, rec.base2):
-                        if b is not None and b < step:
+                    for b in rec.base_steps:
+                        if b < step:
                             todo.append((b, name))
                             last_use[b, name] = max(last_use.get((b, name), step), step)
                 keep = set(wanted)

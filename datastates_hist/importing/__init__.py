@@ -38,6 +38,7 @@ from .. import values
 from ..items import TensorItem, ValueItem
 from ..providers import StateProvider, register_provider
 from ..torch_providers import ModuleProvider, OptimizerProvider
+from .reading import is_inside
 from .sources import Source, read_source
 
 
@@ -217,9 +218,9 @@ def _check_run_is_no_source(run: str, sources: list[Source]) -> None:
     """Refuse a run that is a source, or inside a source folder: the import would write into it."""
     real = os.path.realpath(run)
     for source in sources:
-        root = os.path.realpath(source.path)
-        if os.path.commonpath([root, real]) == root:
-            raise ValueError(f"cannot import into {run}: it is {'inside ' if real != root else ''}the source "
+        if is_inside(source.path, run):
+            inside = real != os.path.realpath(source.path)
+            raise ValueError(f"cannot import into {run}: it is {'inside ' if inside else ''}the source "
                              f"{source.path}, which the import would write into; import into a new run")
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .reading import check_expansion, check_regular, first_line, refusal_line
+from .reading import check_expansion, check_regular, first_line, is_inside, refusal_line
 
 # the files DCP's FileSystemWriter writes in one process (.metadata.tmp until the save completes)
 DCP_METADATA, DCP_METADATA_TMP, DCP_DATA_SUFFIX = ".metadata", ".metadata.tmp", ".distcp"
@@ -153,7 +153,7 @@ def check_storage(folder: str, metadata) -> None:
             raise ValueError(f"{where} names {path!r}, not a file of the folder")
         if path not in sizes:
             real = os.path.realpath(os.path.join(root, path))
-            if os.path.commonpath([root, real]) != root or real == root:
+            if not is_inside(root, real) or real == root:
                 raise ValueError(f"{where} names {path!r}, outside the folder")
             if not os.path.isfile(real):
                 raise ValueError(f"{where} names {path!r}, which is not a file of the folder")

@@ -26,14 +26,18 @@ def numpy_globals() -> list:
     return [core.multiarray._reconstruct, np.ndarray, np.dtype, *(type(np.dtype(t)) for t in NUMPY_PLAIN_DTYPES)]
 
 
+def is_inside(folder: str, path: str) -> bool:
+    """Whether ``path`` lies in ``folder`` (or is it), by real path: links resolved."""
+    root = os.path.realpath(folder)
+    return os.path.commonpath([root, os.path.realpath(path)]) == root
+
+
 def check_regular(path: str, folder: str | None = None) -> str:
     """``path``, checked before anything opens it: a regular file (a FIFO or a device
     would block the import, or never end), and inside ``folder`` by real path when
     given (a link out of a source folder is not the folder's)."""
-    if folder is not None:
-        root = os.path.realpath(folder)
-        if os.path.commonpath([root, os.path.realpath(path)]) != root:
-            raise ValueError(f"cannot import {folder}: {os.path.basename(path)} links outside the folder")
+    if folder is not None and not is_inside(folder, path):
+        raise ValueError(f"cannot import {folder}: {os.path.basename(path)} links outside the folder")
     try:
         regular = stat.S_ISREG(os.stat(path).st_mode)
     except OSError as exc:  # a link to nothing
