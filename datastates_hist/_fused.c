@@ -300,6 +300,105 @@ done:
     return result;
 }
 
+/* The prediction of Adam's second moment v from the same step's first moment m and the
+ * previous step's m1 and v1 (datastates_hist.predictors): the gradient g = (m - beta1*m1)
+ * * inv1 (inv1 = 1/(1 - beta1)), and p = beta2*v1 + c2*(g*g) (c2 = 1 - beta2), in float64,
+ * one IEEE operation at a time (no contraction, -ffp-contract=off: the numpy reference gives
+ * the same bits). Where an input is subnormal, NaN or infinite, or p is below the smallest
+ * normal float32 or beyond the largest, the prediction is v1's bits: then no floating-point
+ * mode (flush-to-zero, denormals-are-zero) changes a bit of it. With x, also sums (x - v1)**2
+ * and v1**2 in float64 (the update ratio). */
+typedef union { uint32_t u; float f; } f32_bits; /* type punning through a union: defined in GNU C */
+
+static inline float as_f32(uint32_t u) { f32_bits b; b.u = u; return b.f; }
+static inline uint32_t f32_as_bits(float f) { f32_bits b; b.f = f; return b.u; }
+static inline uint32_t unusual_f32(uint32_t bits) { /* subnormal, infinite or NaN */
+    uint32_t e = bits & 0x7f800000u;
+    return (e == 0x7f800000u) | ((e == 0) & ((bits & 0x007fffffu) != 0));
+}
+
+/* No branch in the loop (| not ||): the compiler vectorises it. */
+#define SECOND_MOMENT_BODY                                                                   \
+    uint32_t bm = m[i], bm1 = m1[i], bv1 = v1[i];                                           \
+    double g = ((double)as_f32(bm) - beta1 * (double)as_f32(bm1)) * inv1;                   \
+    double p = beta2 * (double)as_f32(bv1) + c2 * (g * g);                                  \
+    uint32_t bits = f32_as_bits((float)p);                                                  \
+    uint32_t keep = unusual_f32(bm) | unusual_f32(bm1) | unusual_f32(bv1) | !(fabs(p) >= 0x1p-126) \
+                    | ((bits & 0x7f800000u) == 0x7f800000u);                                \
+    out[i] = keep ? bv1 : bits;
+
+MULTIVERSION static void second_moment_f32(const uint32_t *m, const uint32_t *m1, const uint32_t *v1,
+                                           uint32_t *out, Py_ssize_t n, double beta1, double inv1,
+                                           double beta2, double c2) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        SECOND_MOMENT_BODY
+    }
+}
+
+MULTIVERSION static void second_moment_f32_sums(const uint32_t *m, const uint32_t *m1, const uint32_t *v1,
+                                                uint32_t *out, Py_ssize_t n, double beta1, double inv1,
+                                                double beta2, double c2, const uint32_t *x, double *sq) {
+    double diff_sq[LANES] = {0}, base_sq[LANES] = {0};
+    Py_ssize_t i = 0, tail = n - n % LANES;
+    for (; i < tail; i += LANES)
+        for (int k = 0; k < LANES; k++) {
+            double d = (double)as_f32(x[i + k]) - (double)as_f32(v1[i + k]);
+            diff_sq[k] += d * d;
+            base_sq[k] += (double)as_f32(v1[i + k]) * (double)as_f32(v1[i + k]);
+        }
+    for (; i < n; i++) {
+        double d = (double)as_f32(x[i]) - (double)as_f32(v1[i]);
+        diff_sq[0] += d * d;
+        base_sq[0] += (double)as_f32(v1[i]) * (double)as_f32(v1[i]);
+    }
+    sq[0] = sq[1] = 0;
+    for (int k = 0; k < LANES; k++) {
+        sq[0] += diff_sq[k];
+        sq[1] += base_sq[k];
+    }
+    second_moment_f32(m, m1, v1, out, n, beta1, inv1, beta2, c2);
+}
+
+/* second_moment(m, m1, v1, out, beta1, beta2, x or None) -> (diff_sq, base_sq) */
+static PyObject *second_moment(PyObject *self, PyObject *args) {
+    PyObject *objs[5];
+    Py_buffer bufs[5] = {{0}};
+    double beta1, beta2;
+    if (!PyArg_ParseTuple(args, "OOOOddO", &objs[0], &objs[1], &objs[2], &objs[3], &beta1, &beta2, &objs[4]))
+        return NULL;
+    PyObject *result = NULL;
+    int got = 0;
+    for (; got < 5; got++) {
+        if (objs[got] == Py_None && got == 4) continue;
+        int flags = got == 3 ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS;
+        if (PyObject_GetBuffer(objs[got], &bufs[got], flags) < 0) goto done;
+    }
+    Py_ssize_t len = bufs[0].len;
+    int same = 1;
+    for (int k = 1; k < 5; k++) same &= !bufs[k].buf || bufs[k].len == len;
+    if (len % 4 || !same) {
+        PyErr_SetString(PyExc_ValueError, "second_moment needs buffers of the same whole number of float32 values");
+    } else if (!(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1)) {
+        PyErr_SetString(PyExc_ValueError, "second_moment needs 0 <= beta1, beta2 < 1");
+    } else {
+        double sq[2] = {0, 0};
+        double inv1 = 1.0 / (1.0 - beta1), c2 = 1.0 - beta2;
+        Py_BEGIN_ALLOW_THREADS
+        if (bufs[4].buf)
+            second_moment_f32_sums(bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, len / 4, beta1, inv1,
+                                   beta2, c2, bufs[4].buf, sq);
+        else
+            second_moment_f32(bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, len / 4, beta1, inv1,
+                              beta2, c2);
+        Py_END_ALLOW_THREADS
+        result = Py_BuildValue("(dd)", sq[0], sq[1]);
+    }
+done:
+    for (int k = 0; k < got && k < 5; k++)
+        if (bufs[k].buf) PyBuffer_Release(&bufs[k]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_stats", copy_stats, METH_VARARGS,
      "copy_stats(src, dst, itemsize) -> (sum, m2, min, max, nonfinite): copy src into dst "
@@ -314,6 +413,11 @@ static PyMethodDef methods[] = {
     {"unresidual", unresidual, METH_VARARGS,
      "unresidual(z, b1, b2, itemsize, shift): in place, z = (unzigzag(z) << shift) + prediction "
      "of unsigned itemsize-byte elements (prediction b1, or 2*b1 - b2 when b2 is not None)."},
+    {"second_moment", second_moment, METH_VARARGS,
+     "second_moment(m, m1, v1, out, beta1, beta2, x) -> (diff_sq, base_sq): out = Adam's second "
+     "moment predicted from the first moments m (this step) and m1 (the previous) and the second "
+     "moment v1 (the previous), float32 bytes (datastates_hist.predictors); with x (not None), "
+     "also the sums of (x - v1)**2 and v1**2."},
     {NULL, NULL, 0, NULL},
 };
 

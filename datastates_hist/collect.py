@@ -60,6 +60,8 @@ class Collector:
                         items_values[name] = item.value
                         continue
                     item.name = name
+                    if item.predictor is not None:  # its names are the object's, as the item's
+                        item.predictor = {**item.predictor, "first": f"{prefix}/{item.predictor['first']}"}
                     if is_dtensor(item.tensor):
                         item = self._dtensor_block(item)
                         if item is None:

@@ -14,6 +14,11 @@ rounded to ``keep_bits`` (a lossy trajectory point) is encoded and anchored as i
 rounded value, so that a delta against it decodes from main units alone; its low bits
 are compressed beside it, for the restore unit.
 
+A tensor whose provider names a predictor (:mod:`.predictors`: Adam's second moment from
+its first moment) is a delta against that prediction instead, when the tensors it is
+predicted from are at hand: the first moment of the same step, encoded before it (whole),
+and of the same base step.
+
 Anything uncertain forgets every anchor (the next step is a key): a failed
 step, a tensor whose size or dtype changed, a new Checkpointer.
 """
@@ -24,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .codecs import Encoder, MantissaSplit, mantissa_bits
+from . import predictors
+from .codecs import Encoder, MantissaSplit, _NormAccumulator, mantissa_bits
 from .items import DELTA, KEY
 
 
@@ -35,6 +41,19 @@ class _Anchor:
     dtype: str
     data: np.ndarray  # uint8, the tensor's stored bytes at ``step``
     base: "_Anchor | None" = None  # the anchor it is a delta against (None: a key)
+    filled: int = 0  # bytes of ``data`` written so far (all of them once its step is encoded)
+
+
+@dataclass
+class _Prediction:
+    """A delta against a prediction from other tensors (``first``: the same step's value of
+    the tensor it is predicted from; ``first_base``: its value at the base step)."""
+
+    predictor: dict
+    first: np.ndarray
+    first_base: np.ndarray
+    norms: _NormAccumulator
+    scratch: np.ndarray = None
 
 
 @dataclass
@@ -49,6 +68,8 @@ class Encoding:
     # a tensor rounded to keep_bits: what is encoded (and anchored) is the rounded value,
     # so that the main unit decodes alone; the low bits are encoded beside it
     lossy: MantissaSplit | None = None
+    anchor: _Anchor | None = None  # the pending anchor this step's bytes go to
+    prediction: _Prediction | None = None
 
     @property
     def kind(self) -> str:
@@ -61,9 +82,30 @@ class Encoding:
         end = self.pos + piece.size
         base = None if self.base is None else self.base.data[self.pos:end]
         base2 = None if self.base2 is None else self.base2.data[self.pos:end]
+        keep = None if self.data is None else self.data[self.pos:end]
+        p = self.prediction
+        if p is not None:  # the prediction replaces the base (base2 is None)
+            if p.scratch is None or p.scratch.size < piece.size:
+                p.scratch = np.empty(piece.size, np.uint8)
+            predicted = p.scratch[:piece.size]
+            diff_sq, base_sq = predictors.predict(p.predictor, p.first[self.pos:end], p.first_base[self.pos:end],
+                                                  base, predicted, x=piece)
+            p.norms.diff_sq += diff_sq
+            p.norms.base_sq += base_sq
+            base = predicted
         # the anchor's copy comes after encoding: its buffer may be base2's
-        self.encoder.add(piece, base, base2, None if self.data is None else self.data[self.pos:end])
+        self.encoder.add(piece, base, base2, keep)
         self.pos = end
+        if self.anchor is not None:
+            self.anchor.filled = end
+
+    def finish(self):
+        """``(blob, chunks, update_ratio)`` (:meth:`codecs.Encoder.finish`); a predicted
+        delta's update ratio is against its base, not its prediction."""
+        blob, chunks, ratio = self.encoder.finish()
+        if self.prediction is not None:
+            ratio = self.prediction.norms.ratio()
+        return blob, chunks, ratio
 
 
 class Anchors:
@@ -85,17 +127,35 @@ class Anchors:
         if base is not None and anchor and base.depth + 1 >= self.key_every:
             base = None  # a key starts a new chain
         base2 = None if base is None else base.base
-        data = None
+        data = pending = None
         if anchor and delta:
             # the oldest value's buffer is reused: each piece replaces its bytes once encoded
             data = base2.data if base2 is not None else np.empty(nbytes, np.uint8)
             depth = 0 if base is None else base.depth + 1
             # the new anchor's base keeps its own data, but no longer its base (never used again)
             kept = None if base is None else _Anchor(base.step, base.depth, base.dtype, base.data)
-            self._pending[name] = _Anchor(step, depth, dtype, data, kept)
+            pending = self._pending[name] = _Anchor(step, depth, dtype, data, kept)
         lossy = None if keep_bits is None else MantissaSplit(dtype, keep_bits)
         drop = 0 if keep_bits is None else mantissa_bits(dtype) - keep_bits
-        return Encoding(Encoder(dtype, delta=base is not None, drop=drop), base, base2, data, lossy=lossy)
+        return Encoding(Encoder(dtype, delta=base is not None, drop=drop), base, base2, data, lossy=lossy,
+                        anchor=pending)
+
+    def predict(self, encoding: Encoding, predictor: dict) -> bool:
+        """Make ``encoding`` (a delta just begun, not rounded) a delta against ``predictor``'s
+        prediction if the tensor it is predicted from is at hand: encoded whole at this step
+        as an anchor, and an anchor at the same base step. Returns whether it did."""
+        base = encoding.base
+        if base is None or encoding.lossy is not None or encoding.anchor is None or base.dtype not in predictors.DTYPES:
+            return False
+        first = self._pending.get(predictor["first"])
+        first_base = self._anchors.get(predictor["first"])
+        if (first is None or first_base is None or first.step != encoding.anchor.step
+                or first_base.step != base.step or first.dtype != base.dtype or first_base.dtype != base.dtype
+                or first.filled != base.data.size or first_base.data.size != base.data.size):
+            return False
+        encoding.base2 = None
+        encoding.prediction = _Prediction(predictor, first.data, first_base.data, _NormAccumulator(base.dtype))
+        return True
 
     def committed(self) -> None:
         """The step whose encodings began since the last call is committed: its anchors count."""

@@ -168,8 +168,11 @@ class Flusher:
             if keep_bits is None and encodes and self._behind():
                 self.raw_to_keep_up += 1  # its anchor stays: the next step's delta is against that
             elif encodes or keep_bits is not None:  # a rounded value is encoded, as a key at least
-                step.encodings[index] = self.anchors.begin(
+                encoding = step.encodings[index] = self.anchors.begin(
                     item.name, dtype, nbytes, step.ckpt.step, plan.may_delta(item.name), plan.anchor, keep_bits)
+                # predicted from a tensor of the same unit only: one kept as long as it is
+                if item.predictor is not None and plan.part(item.predictor["first"]) == plan.part(item.name):
+                    self.anchors.predict(encoding, item.predictor)
                 return  # defined once its encoded size is known
         block = {} if item.global_shape is None else {"block": (item.global_shape, item.offset)}
         step.writer(index).define(item.name, storage_dtype(t.dtype), tuple(t.shape), dtype_name(t.dtype), **block)
@@ -228,7 +231,7 @@ class Flusher:
             step.records.append(record)
 
     def _put_encoded(self, step: _Step, record: TensorRecord, encoding: Encoding, writer) -> None:
-        blob, chunks, ratio = encoding.encoder.finish()
+        blob, chunks, ratio = encoding.finish()
         writer.define(record.name, np.dtype(np.uint8), (blob.size,), "uint8")
         writer.put(record.name, blob, (0,))
         if not writer.writes_at_put:
@@ -238,6 +241,8 @@ class Flusher:
             record.base = encoding.base.step
         if encoding.base2 is not None:
             record.base2 = encoding.base2.step
+        if encoding.prediction is not None:
+            record.predictor = encoding.prediction.predictor
         if encoding.lossy is not None:
             self._put_low_bits(step, record, encoding.lossy)
 

@@ -49,6 +49,8 @@ class TensorItem:
             forward waits for them.
         global_shape / offset: when the tensor is a shard of a larger global
             tensor, its global shape and the offset of this shard in it.
+        predictor: how the tensor follows from others of the same object
+            (:mod:`.predictors`; names relative to the object), for its deltas.
     """
 
     name: str
@@ -56,6 +58,7 @@ class TensorItem:
     volatile: bool = False
     global_shape: tuple[int, ...] | None = None
     offset: tuple[int, ...] | None = None
+    predictor: dict | None = None
 
 
 @dataclass
@@ -97,6 +100,8 @@ class TensorRecord:
     base2: int | None = None  # a delta extrapolated from two steps: the base's own base
     chunks: list[list[int]] | None = None  # an encoded tensor: [[raw, stored, flag], ...] (codecs.py)
     update_ratio: float | None = None  # a delta of floats: ||x - base|| / ||base||
+    # a delta predicted from other tensors (predictors.py) instead of its own earlier values
+    predictor: dict | None = None
     # a tensor of floats: its values by sign and binary exponent (digest.distribution)
     distribution: dict | None = None
     # a lossy trajectory tensor (docs/format.md, section 6): its main unit holds the value
@@ -120,7 +125,8 @@ class TensorRecord:
             doc["global_shape"], doc["offset"] = list(self.global_shape), list(self.offset)
         if self.blocks is not None:
             doc["blocks"] = self.blocks
-        for key in ("stored", "base", "base2", "chunks", "update_ratio", "distribution", *LOSSY_KEYS):
+        for key in ("stored", "base", "base2", "predictor", "chunks", "update_ratio", "distribution",
+                    *LOSSY_KEYS):
             if getattr(self, key) is not None:
                 doc[key] = getattr(self, key)
         return doc
@@ -145,6 +151,14 @@ class TensorRecord:
     def base_steps(self) -> list[int]:
         """The steps a delta is decoded against: ``base``, then ``base2`` ([] for no delta)."""
         return [step for step in (self.base, self.base2) if step is not None]
+
+    def dependencies(self, step: int) -> list[tuple[int, str]]:
+        """The values ``(step, name)`` this tensor at ``step`` is decoded against: its own at
+        its base steps, and for a predicted delta the first moment at ``step`` and at the base."""
+        own = [(b, self.name) for b in self.base_steps]
+        if self.predictor is None:
+            return own
+        return own + [(step, self.predictor["first"]), (self.base, self.predictor["first"])]
 
     @property
     def has_low_bits(self) -> bool:
@@ -174,7 +188,7 @@ class TensorRecord:
                 offset=_tuple(data["offset"]) if "offset" in data else None,
                 blocks=data["blocks"] if "blocks" in data else None,
                 part=data.get("part") or "", stored=data.get("stored"), base=data.get("base"),
-                base2=data.get("base2"),
+                base2=data.get("base2"), predictor=data.get("predictor"),
                 chunks=data.get("chunks"), update_ratio=data.get("update_ratio"),
                 distribution=data.get("distribution"),
                 **{key: data.get(key) for key in LOSSY_KEYS},
@@ -217,7 +231,7 @@ class TensorRecord:
             raise ValueError(f"tensor {name!r} lies in the unit {self.part!r}, not one of {list(PARTS)}")
         if any(getattr(self, key) is not None for key in LOSSY_KEYS):
             self._check_lossy(itemsize, indexed)  # first: how its chunks are read depends on it
-        if self.encoding != RAW:
+        if self.encoding != RAW or self.predictor is not None:
             self._check_encoded(itemsize, indexed)
         if self.blocks is not None:
             self._check_blocks()
@@ -265,6 +279,17 @@ class TensorRecord:
 
     def _check_encoded(self, itemsize: int, indexed: bool) -> None:
         name = self.name
+        if self.predictor is not None:
+            from .predictors import DTYPES, check
+
+            try:
+                check(self.predictor)
+            except ValueError as exc:
+                raise ValueError(f"tensor {name!r}: {exc}") from None
+            if self.encoding != DELTA or self.base2 is not None or self.dtype not in DTYPES \
+                    or self.predictor["first"] == name or self.dropped_bits:
+                raise ValueError(f"tensor {name!r} is predicted from {self.predictor['first']!r} but is not an "
+                                 f"exact {'/'.join(DTYPES)} delta against one base step of another tensor")
         if self.blocks is not None:
             raise ValueError(f"tensor {name!r} is encoded ({self.encoding}) and in blocks: a writer "
                              "encodes only whole tensors")

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import predictors
 from .backends import StepReader, get_backend
 from .boxes import overlap
 from .cache import aligned
@@ -104,6 +105,7 @@ class StepData:
             self.world_size = int(doc.get("world_size", 1))  # ranks that wrote the step
             if doc.get("step") != row.step:
                 raise ValueError(f"it is the manifest of step {doc.get('step')!r}")
+            self._check_predicted()
             self._check_stored_bytes()
         except KeyError as exc:
             raise CorruptionError(f"the manifest of step {row.step} in {run_dir} is damaged: "
@@ -155,6 +157,18 @@ class StepData:
                                  f"({str(lossy)[:200]}): only tensors of the main unit are")
             rec.part = "restore"
             self.records[rec.name] = rec
+
+    def _check_predicted(self) -> None:
+        """A predicted delta's first tensor is of this step, alike, in the same unit, and not
+        predicted itself (so the values a read decodes never go round in a loop)."""
+        for rec in self.records.values():
+            if rec.predictor is None:
+                continue
+            first = self.records.get(rec.predictor["first"])
+            if first is None or first.predictor is not None or (first.dtype, first.shape, first.part) != (
+                    rec.dtype, rec.shape, rec.part):
+                raise ValueError(f"tensor {rec.name!r} is predicted from {rec.predictor['first']!r}, which the "
+                                 "step does not hold as an unpredicted tensor of the same dtype, shape and unit")
 
     def _check_stored_bytes(self) -> None:
         """A tensor's stored bytes lie in its unit: a record that declares more bytes
@@ -212,7 +226,9 @@ class StepData:
     def _prefetch_encoded(self, wanted: list[TensorRecord], into: dict, bases: dict | None = None) -> None:
         """Encoded tensors: their stored bytes read in batches (per unit, of at most
         :data:`BATCH_BYTES`), then each decoded straight into its destination (a tensor of
-        ``into``, or fresh memory). Not remembered as bases: the caller owns what it reads."""
+        ``into``, or fresh memory); a predicted delta after the tensor it is predicted from
+        (of its unit: listed first). Not remembered as bases: the caller owns what it reads."""
+        wanted = sorted(wanted, key=lambda r: r.predictor is not None)
         batches: list[list[TensorRecord]] = []
         for part in {r.part for r in wanted}:
             size = BATCH_BYTES  # each unit starts a batch of its own
@@ -223,20 +239,26 @@ class StepData:
                 batches[-1].append(rec)
                 size += rec.stored
         if bases is None and self._bases is not None:  # the deltas' bases, a step at a time
-            bases = self._bases.warm_bases([(step, r.name) for r in wanted for step in r.base_steps
-                                            if step < self.row.step])
+            bases = self._bases.warm_bases([key for r in wanted for key in r.dependencies(self.row.step)
+                                            if key[0] < self.row.step])
         with ThreadPoolExecutor(DECODERS, thread_name_prefix="dh-decode") as pool:
             for batch in batches:
                 with self._as_damage("the tensors"):
                     blobs = self._read_blobs(batch)
                 # bases are found here, in order (they may read and decode other steps);
                 # the decodes themselves, which touch nothing shared, run on the pool
-                decoding, decoded = [], {}
+                decoding, decoded, given = [], {}, bases
                 for rec in batch:
+                    if rec.predictor is not None and given is bases:
+                        for done in decoding:  # the values it is predicted from, decoded and checked
+                            done.result()
+                        given = dict(bases or {})
+                        given.update({(self.row.step, n): a.reshape(-1).view(np.uint8)
+                                      for n, a in (*self._prefetched.items(), *decoded.items())})
                     live = self._live_destination(rec, into.get(rec.name))
                     out = self._decode_buffer(rec) if live is None else live.reshape(-1).view(np.uint8)
                     decoding.append(pool.submit(self._decode, rec, blobs.pop(rec.name), out,
-                                                self._given_bases(rec, bases)))
+                                                self._given_bases(rec, given)))
                     decoded[rec.name] = out.view(storage_dtype(torch_dtype(rec.dtype))).reshape(rec.shape)
                 for done in decoding:
                     done.result()
@@ -380,14 +402,22 @@ class StepData:
         return out
 
     def _given_bases(self, rec: TensorRecord, bases: dict | None) -> list[np.ndarray]:
-        """``rec``'s bases from ``bases`` (``(step, name) -> bytes``) if it holds them all, else read."""
-        if bases and all((step, rec.name) in bases for step in rec.base_steps):
-            return [self._sized(rec, step, bases[step, rec.name]) for step in rec.base_steps]
-        return self._bases_of(rec)
+        """The values ``rec`` is decoded against (:meth:`TensorRecord.dependencies`) from
+        ``bases`` (``(step, name) -> bytes``) if it holds them all, else read."""
+        needs = rec.dependencies(self.row.step)
+        if bases and all(key in bases for key in needs):
+            return [self._sized(rec, step, bases[step, name]) for step, name in needs]
+        return self._bases_of(rec, needs)
 
-    def _bases_of(self, rec: TensorRecord) -> list[np.ndarray]:
-        pinned: dict[int, np.ndarray] = {}  # the first base's walk decodes the second: kept for it
-        return [self._base(rec, step, pinned, rec.base_steps) for step in rec.base_steps]
+    def _bases_of(self, rec: TensorRecord, needs: list[tuple[int, str]]) -> list[np.ndarray]:
+        pinned: dict[tuple[int, str], np.ndarray] = {}  # the first walk decodes the others: kept for them
+        out = []
+        for step, name in needs:
+            if step == self.row.step:  # a predicted delta's first tensor, of this step (not predicted)
+                out.append(self._sized(rec, step, self.stored(self.records[name])))
+            else:
+                out.append(self._base(rec, step, name, pinned, needs))
+        return out
 
     def _decode_buffer(self, rec: TensorRecord) -> np.ndarray:
         try:
@@ -400,6 +430,10 @@ class StepData:
         """Decode ``blob`` into ``out`` against ``bases`` and check the checksum: no state
         of the store is touched, so several threads may decode at once."""
         try:
+            if rec.predictor is not None:  # bases: its own at the base step, the first tensor's now and there
+                predicted = np.empty(rec.nbytes, np.uint8)
+                predictors.predict(rec.predictor, bases[1], bases[2], bases[0], predicted)
+                bases = [predicted]
             decode(blob, rec.chunks, storage_dtype(torch_dtype(rec.dtype)).itemsize, out, *bases,
                    drop=rec.dropped_bits)
         except ValueError as exc:
@@ -430,15 +464,17 @@ class StepData:
                 reader.read(rec.name, blob, (0,))
         return blob
 
-    def _base(self, rec: TensorRecord, step: int, pinned: dict, keep: list[int]) -> np.ndarray:
-        """The stored bytes of ``rec``'s tensor at ``step``, a base of its delta."""
+    def _base(self, rec: TensorRecord, step: int, name: str, pinned: dict, keep: list[tuple[int, str]]) -> np.ndarray:
+        """The stored bytes of tensor ``name`` at ``step``, a base of ``rec``'s delta."""
         what = f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} is a delta against step {step}"
+        if name != rec.name:
+            what += f" (of tensor {name!r})"
         if step >= self.row.step:
             raise CorruptionError(f"{what}, which is not earlier: the step's data is damaged")
         if self._bases is None:
             raise CorruptionError(f"{what}, and this reader has no access to other steps")
         try:
-            base = self._bases.base(step, rec.name, self.row.step, pinned, keep)
+            base = self._bases.base(step, name, self.row.step, pinned, keep)
         except UnreadableBase:
             raise  # said once, by the delta nearest the damage
         except CorruptionError as exc:
@@ -573,14 +609,14 @@ class Store:
             raise CorruptionError(f"the data of step {step} in {self.run_dir} is damaged: {exc}") from exc
 
     def base(self, step: int, name: str, needed_by: int | None = None, pinned: dict | None = None,
-             keep: list[int] = ()) -> np.ndarray:
+             keep=()) -> np.ndarray:
         """The stored bytes of tensor ``name`` at ``step`` (a base of a delta at step
         ``needed_by``), decoded once.
 
-        The values it needs are found first, down both bases of each delta to keys or
-        values remembered; then they are decoded lowest step first, each against the
-        values just decoded, which are held (in ``pinned``: step -> value) until the
-        last step needing them is decoded, or for good if in ``keep``. So each value is
+        The values it needs are found first (:meth:`_walk`), down every delta's bases to
+        keys or values remembered; then they are decoded in order, each against the values
+        just decoded, which are held (in ``pinned``: ``(step, name) -> value``) until the
+        last value needing them is decoded, or for good if in ``keep``. So each value is
         decoded once, whatever :data:`DECODED_BYTES` lets :meth:`remember` keep, and
         there is no recursion however long the chain. The steps opened for bases (their
         main units: deltas are only ever taken of a main unit's tensors) stay open, the
@@ -588,39 +624,54 @@ class Store:
         when step ``needed_by`` was removed meanwhile (with its bases),
         :class:`CorruptionError` when a base cannot be read."""
         pinned = {} if pinned is None else pinned
+        want, keep = (step, name), set(keep)
         try:
             with self._bases_lock:  # one chain at a time: the open steps' readers are not shared
-                needs: dict[int, list[int]] = {}  # step to decode -> its bases
-                todo = [step]
-                while todo:
-                    at = todo.pop()
-                    if at in needs or at in pinned:
-                        continue
-                    _, rec, cached = self._base_record(at, name)
-                    if cached is not None:
-                        pinned[at] = cached  # held: remember() may let it go meanwhile
-                        continue
-                    needs[at] = rec.base_steps
-                    for b in needs[at]:
-                        if b >= at:  # steps only go down: a crafted chain cannot loop
-                            raise CorruptionError(f"tensor {name!r} of step {at} in {self.run_dir} is a delta "
-                                                  f"against step {b}, which is not earlier: the step's data is "
-                                                  "damaged")
-                    todo += needs[at]
-                last_use = {b: at for at in sorted(needs) for b in needs[at]}
-                for at in sorted(needs):
-                    data, rec, _ = self._base_record(at, name)
-                    pinned[at] = data.stored(rec, bases={(b, name): pinned[b] for b in needs[at]})
-                    self.remember(data.row, name, pinned[at])  # a raw base too
-                    for b in needs[at]:
-                        if last_use[b] == at and b != step and b not in keep:
-                            pinned.pop(b, None)
-                return pinned[step]
+                needs = self._walk([want], pinned)
+                last_use = {dep: key for key in needs for dep in needs[key]}  # in decoding order
+                for key, deps in needs.items():
+                    data, rec, _ = self._base_record(*key)
+                    pinned[key] = data.stored(rec, bases={dep: pinned[dep] for dep in deps})
+                    self.remember(data.row, key[1], pinned[key])  # a raw base too
+                    for dep in deps:
+                        if last_use[dep] == key and dep != want and dep not in keep:
+                            pinned.pop(dep, None)
+                return pinned[want]
         except CorruptionError:
             if needed_by is not None and self.index.step_row(needed_by) is None:
                 raise StepNotFoundError(f"step {needed_by} was removed from {self.run_dir} while it "
                                         "was being read") from None
             raise
+
+    def _walk(self, wanted: list[tuple[int, str]], held: dict) -> dict[tuple[int, str], list[tuple[int, str]]]:
+        """The values to decode for ``wanted`` (``(step, name)``), each with the values it is
+        decoded against, in an order that decodes every value after those: lowest step
+        first, a predicted delta after the tensor it is predicted from. Values found
+        remembered go to ``held`` (which holds them while they are needed) and end the walk
+        down there. Raises CorruptionError for a dependency a writer never makes (not
+        earlier, or of the same step but not the first tensor of a predicted delta)."""
+        needs: dict[tuple[int, str], list[tuple[int, str]]] = {}
+        predicted: set[tuple[int, str]] = set()
+        todo = list(wanted)
+        while todo:
+            key = todo.pop()
+            if key in needs or key in held:
+                continue
+            _, rec, cached = self._base_record(*key)
+            if cached is not None:
+                held[key] = cached  # held: remember() may let it go meanwhile
+                continue
+            deps = rec.dependencies(key[0])
+            for dep in deps:
+                same_step_first = rec.predictor is not None and dep == (key[0], rec.predictor["first"])
+                if dep[0] > key[0] or (dep[0] == key[0] and not same_step_first):
+                    raise CorruptionError(f"tensor {key[1]!r} of step {key[0]} in {self.run_dir} is a delta "
+                                          f"against step {dep[0]}, which is not earlier: the step's data is damaged")
+            if rec.predictor is not None:
+                predicted.add(key)
+            needs[key] = deps
+            todo += deps
+        return {key: needs[key] for key in sorted(needs, key=lambda k: (k[0], k in predicted, k[1]))}
 
     def warm_bases(self, wanted: list[tuple[int, str]]) -> dict[tuple[int, str], np.ndarray]:
         """Decode the bases ``(step, name)``, and the bases they need in turn, a step at a
@@ -635,22 +686,13 @@ class Store:
         wanted = list(dict.fromkeys(wanted))
         try:
             with self._bases_lock:
-                by_step: dict[int, dict[str, None]] = {}  # the values to decode, in order
+                needs = self._walk(wanted, held)
+                by_step: dict[int, list[str]] = {}  # the values to decode, in order
                 last_use: dict[tuple[int, str], int] = {}  # a value -> the last step decoded against it
-                todo = list(wanted)
-                while todo:  # down the chains, to values remembered or of no base
-                    step, name = todo.pop()
-                    if name in by_step.get(step, ()) or (step, name) in held:
-                        continue
-                    _, rec, cached = self._base_record(step, name)
-                    if cached is not None:
-                        held[step, name] = cached
-                        continue
-                    by_step.setdefault(step, {})[name] = None
-                    for b in rec.base_steps:
-                        if b < step:
-                            todo.append((b, name))
-                            last_use[b, name] = max(last_use.get((b, name), step), step)
+                for (step, name), deps in needs.items():
+                    by_step.setdefault(step, []).append(name)
+                    for dep in deps:
+                        last_use[dep] = max(last_use.get(dep, step), step)
                 keep = set(wanted)
                 for step in sorted(by_step):
                     names = list(by_step[step])

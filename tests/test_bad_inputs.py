@@ -83,7 +83,7 @@ def newer_format_for_a_reader(tmp):
     committed(run)
     conn = sqlite3.connect(os.path.join(run, "index.sqlite"))
     with conn:
-        conn.execute("UPDATE meta SET value='4' WHERE key='format_version'")
+        conn.execute("UPDATE meta SET value='5' WHERE key='format_version'")
     conn.close()
     Store(run)
 

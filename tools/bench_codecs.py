@@ -7,6 +7,8 @@ exp_avg_sq at 4 consecutive steps, and encodes every tensor as the flusher would
   key      each step alone (no delta)
   delta    the residual against the same tensor at the previous step (1 base), or against
            the extrapolation from the two previous steps (2 bases, what the writer stores)
+  predicted  exp_avg_sq as a delta against its prediction from exp_avg at the same and the
+           previous step (datastates_hist.predictors: what the writer stores for AdamW)
   lossy    weights rounded to ``--keep-bits`` mantissa bits, the residual against the two
            previous rounded weights shifted right by the bits rounding dropped (as the
            writer stores a trajectory point); with the largest relative error measured
@@ -42,9 +44,10 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "examples")]
 import train_gpt  # noqa: E402
 
-from datastates_hist import codecs  # noqa: E402
+from datastates_hist import codecs, predictors  # noqa: E402
 
 KINDS = ("weights", "exp_avg", "exp_avg_sq")
+BETAS = (0.9, 0.95)  # train_gpt.make_optimizer's
 
 
 def training_states(size: str, warmup: int, count: int, seed: int = 1337) -> list[dict]:
@@ -131,6 +134,11 @@ def codec_rows(states: list[dict], keep_bits: int) -> list[tuple]:
                 raw, stored, enc = raw + r, stored + s, enc + e
                 dec += decode_seconds(encoded)
             rows.append((kind, mode, stored / raw, raw / enc / 1e6, raw / dec / 1e6, ""))
+    rows.append(predicted_row(states))
+    writer = {("weights", "delta, 2 bases"), ("exp_avg", "delta, 2 bases"), ("exp_avg_sq", "predicted from exp_avg")}
+    ratios = [row[2] for row in rows if (row[0], row[1]) in writer]  # the three are of equal size
+    rows.append(("all state", "the writer's", sum(ratios) / len(ratios), float("nan"), float("nan"),
+                 "weights, exp_avg, exp_avg_sq as above"))
     rounded = [[codecs.round_mantissa(w, "float32", keep_bits) for w in s["weights"]]
                for s in states]
     worst = max(max_relative_error(w, r) for s, rs in zip(states, rounded)
@@ -146,6 +154,34 @@ def codec_rows(states: list[dict], keep_bits: int) -> list[tuple]:
                  raw / enc / 1e6, raw / dec / 1e6,
                  f"max rel err {worst:.3g} (bound {codecs.rounding_bound('float32', keep_bits):.3g})"))
     return rows
+
+
+def predicted_row(states: list[dict]) -> tuple:
+    """exp_avg_sq as the writer stores it in consecutive restore points: a delta against
+    its prediction from exp_avg (datastates_hist.predictors, the example's betas)."""
+    predictor = predictors.adam_second_moment("exp_avg", *BETAS)
+    raw = stored = 0
+    enc = dec = 0.0
+    for t in range(2, len(states)):
+        for v, m, m1, v1 in zip(*(states[s][k] for s, k in ((t, "exp_avg_sq"), (t, "exp_avg"),
+                                                              (t - 1, "exp_avg"), (t - 1, "exp_avg_sq")))):
+            v, m, m1, v1 = (as_bytes(a) for a in (v, m, m1, v1))
+            start = time.perf_counter()
+            predicted = np.empty(v.size, np.uint8)
+            predictors.predict(predictor, m, m1, v1, predicted, x=v)
+            encoder = codecs.Encoder("float32", delta=True)
+            encoder.add(v, predicted)
+            blob, chunks, _ = encoder.finish()
+            enc += time.perf_counter() - start
+            out = np.empty(v.size, np.uint8)
+            start = time.perf_counter()
+            again = np.empty(v.size, np.uint8)
+            predictors.predict(predictor, m, m1, v1, again)
+            codecs.decode(blob, chunks, 4, out, again)
+            dec += time.perf_counter() - start
+            assert np.array_equal(out, v), "round trip differs"
+            raw, stored = raw + v.size, stored + blob.size
+    return ("exp_avg_sq", "predicted from exp_avg", stored / raw, raw / enc / 1e6, raw / dec / 1e6, "")
 
 
 def settings_rows(states: list[dict]) -> list[tuple]:

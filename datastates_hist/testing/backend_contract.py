@@ -242,6 +242,49 @@ class BackendContract:
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 assert bits(fresh_opt.state[q][key].reshape(-1)) == bits(opt.state[p][key].reshape(-1)), key
 
+    def test_adam_second_moment_is_predicted_and_restores_bit_exact(self, run_dir, backend):
+        """Consecutive restore points of AdamW: exp_avg_sq is a delta against its
+        prediction from exp_avg (predictors.py), every step but the keys; each step reads
+        back and restores bit for bit, going forward and back in time."""
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+        states, names = {}, [n for n, _ in model.named_parameters()]
+        with dh.Checkpointer(run_dir, backend=backend, key_every=4) as ckpt:
+            for step in range(9):
+                opt.zero_grad()
+                model(torch.randn(16, 64)).pow(2).mean().backward()
+                opt.step()
+                ckpt.write(step, model, opt)
+                ckpt.wait()
+                states[step] = [opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
+        store = Store(run_dir)
+        try:
+            for step in range(9):
+                with store.open_step(step) as data:
+                    predicted = {r.name for r in data.records.values() if r.predictor is not None}
+                    seconds = {n for n in data.records if n.endswith("/exp_avg_sq")}
+                    assert predicted == (set() if step % 4 == 0 else seconds), step
+                    for rec in data.records.values():
+                        if rec.predictor is not None:
+                            assert rec.predictor == {"kind": "adam_second_moment", "beta1": 0.9, "beta2": 0.95,
+                                                     "first": rec.name[:-len("_sq")]}
+                            assert rec.base == step - 1 and rec.base2 is None
+        finally:
+            store.close()
+        for order in (range(9), reversed(range(9))):
+            with dh.open(run_dir) as h:
+                for step in order:
+                    for name, value in zip(names, states[step]):
+                        assert bits(h.read(f"optim/state/{name}/exp_avg_sq", step)) == bits(value), (step, name)
+        fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, betas=(0.9, 0.95))
+        with dh.Checkpointer(run_dir) as ckpt:
+            ckpt.restore(7, model=fresh, optimizer=fresh_opt)
+        for q, value in zip(fresh.parameters(), states[7]):
+            assert bits(fresh_opt.state[q]["exp_avg_sq"].reshape(-1)) == bits(value.reshape(-1))
+        assert verify_run(run_dir) == []
+
     def test_plain_values_round_trip(self, run_dir, backend):
         value = {"epoch": 3, "lr": 1e-3, "name": "x", "nested": {"t": (1, 2), "l": [None, True]},
                  "int_keys": {1: "a", 2: "b"}, "bytes": b"\x00\xff", "nan": float("nan"),
