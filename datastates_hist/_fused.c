@@ -312,6 +312,10 @@ typedef union { uint32_t u; float f; } f32_bits; /* type punning through a union
 
 static inline float as_f32(uint32_t u) { f32_bits b; b.u = u; return b.f; }
 static inline uint32_t f32_as_bits(float f) { f32_bits b; b.f = f; return b.u; }
+typedef union { uint64_t u; double d; } f64_bits;
+
+static inline double f64_of_bits(uint64_t u) { f64_bits b; b.u = u; return b.d; }
+static inline uint64_t f64_bits_of(double d) { f64_bits b; b.d = d; return b.u; }
 static inline uint32_t unusual_f32(uint32_t bits) { /* subnormal, infinite or NaN */
     uint32_t e = bits & 0x7f800000u;
     return (e == 0x7f800000u) | ((e == 0) & ((bits & 0x007fffffu) != 0));
@@ -399,6 +403,103 @@ done:
     return result;
 }
 
+/* The prediction of Adam's first moment m from the weights w (this step), w1 and the
+ * moments m1, v1 (the base step's) (datastates_hist.predictors): the gradient g solves
+ * w = w1*(1 - decay) - step_size * m / (sqrt(v)/bias2 + eps), with m = b1*m1 + (1-b1)*g and
+ * v = b2*v1 + (1-b2)*g*g, squared into a quadratic whose root that fits the unsquared
+ * equation is taken (the one that gives m the sign of the update). float64, one IEEE operation at a time, in the numpy reference's
+ * order; where an input is unusual, the quadratic has no real root, or the prediction is
+ * below the smallest normal float32, infinite or NaN, the prediction is m1's bits. */
+#define FIRST_MOMENT_BODY                                                                     \
+    uint32_t bw = w[i], bw1 = w1[i], bv1 = v1[i], bm1 = m1[i];                                \
+    double fm1 = (double)as_f32(bm1), cv = b2 * (double)as_f32(bv1);                          \
+    double r = ((double)as_f32(bw1) * keep_w - (double)as_f32(bw)) * inv_s;                   \
+    double a = b1 * fm1 - r * eps;                                                            \
+    double k = r * inv_c;                                                                     \
+    double kk = k * k;                                                                        \
+    double qa = one_b1 * one_b1 - kk * one_b2;                                                \
+    double qb = 2.0 * (a * one_b1);                                                           \
+    double qc = a * a - kk * cv;                                                              \
+    double disc = qb * qb - 4.0 * (qa * qc);                                                  \
+    double sd = sqrt(disc);                                                                   \
+    double qq = -0.5 * (qb + copysign(sd, qb));                                               \
+    double g1 = qq / qa, g2 = qc / qq;                                                        \
+    /* the root of the unsquared equation: m has the sign of k (sqrt(v) >= 0) */             \
+    int64_t same = -(int64_t)((a + one_b1 * g1 >= 0) == (k >= 0));                            \
+    double g = f64_of_bits((f64_bits_of(g1) & (uint64_t)same) | (f64_bits_of(g2) & ~(uint64_t)same)); \
+    double p = b1 * fm1 + one_b1 * g;                                                         \
+    uint32_t bits = f32_as_bits((float)p);                                                    \
+    uint32_t keep = unusual_f32(bw) | unusual_f32(bw1) | unusual_f32(bv1) | unusual_f32(bm1)  \
+                    | !(disc >= 0) | !(fabs(p) >= 0x1p-126) | ((bits & 0x7f800000u) == 0x7f800000u); \
+    out[i] = keep ? bm1 : bits;
+
+MULTIVERSION static void first_moment_f32(const uint32_t *w, const uint32_t *w1, const uint32_t *v1,
+                                          const uint32_t *m1, uint32_t *out, Py_ssize_t n, double b1,
+                                          double b2, double eps, double c, double s, double decay) {
+    double keep_w = 1.0 - decay, one_b1 = 1.0 - b1, one_b2 = 1.0 - b2, inv_s = 1.0 / s, inv_c = 1.0 / c;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        FIRST_MOMENT_BODY
+    }
+}
+
+/* sum (x - b)**2 and b**2 in float64 (the update ratio against the base b) */
+MULTIVERSION static void base_sums_f32(const uint32_t *x, const uint32_t *b, Py_ssize_t n, double *sq) {
+    double diff_sq[LANES] = {0}, base_sq[LANES] = {0};
+    Py_ssize_t i = 0, tail = n - n % LANES;
+    for (; i < tail; i += LANES)
+        for (int k = 0; k < LANES; k++) {
+            double d = (double)as_f32(x[i + k]) - (double)as_f32(b[i + k]);
+            diff_sq[k] += d * d;
+            base_sq[k] += (double)as_f32(b[i + k]) * (double)as_f32(b[i + k]);
+        }
+    for (; i < n; i++) {
+        double d = (double)as_f32(x[i]) - (double)as_f32(b[i]);
+        diff_sq[0] += d * d;
+        base_sq[0] += (double)as_f32(b[i]) * (double)as_f32(b[i]);
+    }
+    sq[0] = sq[1] = 0;
+    for (int k = 0; k < LANES; k++) {
+        sq[0] += diff_sq[k];
+        sq[1] += base_sq[k];
+    }
+}
+
+/* first_moment(w, w1, v1, m1, out, beta1, beta2, eps, bias2, step_size, decay, x or None)
+ * -> (diff_sq, base_sq) */
+static PyObject *first_moment(PyObject *self, PyObject *args) {
+    PyObject *objs[6];
+    Py_buffer bufs[6] = {{0}};
+    double b1, b2, eps, c, s, decay;
+    if (!PyArg_ParseTuple(args, "OOOOOddddddO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &b1, &b2,
+                          &eps, &c, &s, &decay, &objs[5]))
+        return NULL;
+    PyObject *result = NULL;
+    int got = 0;
+    for (; got < 6; got++) {
+        if (objs[got] == Py_None && got == 5) continue;
+        int flags = got == 4 ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS;
+        if (PyObject_GetBuffer(objs[got], &bufs[got], flags) < 0) goto done;
+    }
+    Py_ssize_t len = bufs[0].len;
+    int same = 1;
+    for (int k = 1; k < 6; k++) same &= !bufs[k].buf || bufs[k].len == len;
+    if (len % 4 || !same) {
+        PyErr_SetString(PyExc_ValueError, "first_moment needs buffers of the same whole number of float32 values");
+    } else {
+        double sq[2] = {0, 0};
+        Py_BEGIN_ALLOW_THREADS
+        if (bufs[5].buf) base_sums_f32(bufs[5].buf, bufs[3].buf, len / 4, sq);
+        first_moment_f32(bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, bufs[4].buf, len / 4, b1, b2, eps,
+                         c, s, decay);
+        Py_END_ALLOW_THREADS
+        result = Py_BuildValue("(dd)", sq[0], sq[1]);
+    }
+done:
+    for (int k = 0; k < got && k < 6; k++)
+        if (bufs[k].buf) PyBuffer_Release(&bufs[k]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_stats", copy_stats, METH_VARARGS,
      "copy_stats(src, dst, itemsize) -> (sum, m2, min, max, nonfinite): copy src into dst "
@@ -418,6 +519,11 @@ static PyMethodDef methods[] = {
      "moment predicted from the first moments m (this step) and m1 (the previous) and the second "
      "moment v1 (the previous), float32 bytes (datastates_hist.predictors); with x (not None), "
      "also the sums of (x - v1)**2 and v1**2."},
+    {"first_moment", first_moment, METH_VARARGS,
+     "first_moment(w, w1, v1, m1, out, beta1, beta2, eps, bias2, step_size, decay, x) -> (diff_sq, base_sq): "
+     "out = Adam's first moment predicted from the weights w (this step) and w1 and the moments v1 and m1 "
+     "(the base step's), float32 bytes (datastates_hist.predictors); with x (not None), also the sums of "
+     "(x - m1)**2 and m1**2."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -63,7 +63,8 @@ class Checkpointer:
             ``"key"`` (each compressed alone) or ``"raw"``. Steps written by
             several ranks are stored raw.
         key_every: a delta chain is cut by a key every this many steps, so a read
-            decodes at most this many stored values.
+            decodes at most this many stored values of each tensor it reads (Adam's
+            moments are predicted from the weights and each other: three tensors).
         keep_up: the flush gives way to training (its thread at nice 19) and, when
             it falls behind (later snapshots fill half the host cache), stores
             tensors raw until it catches up, rather than let training wait for the

@@ -60,8 +60,8 @@ class Collector:
                         items_values[name] = item.value
                         continue
                     item.name = name
-                    if item.predictor is not None:  # its names are the object's, as the item's
-                        item.predictor = {**item.predictor, "first": f"{prefix}/{item.predictor['first']}"}
+                    if item.predictor is not None:
+                        item.predictor = _resolved(item.predictor, prefix)
                     if is_dtensor(item.tensor):
                         item = self._dtensor_block(item)
                         if item is None:
@@ -187,3 +187,15 @@ def _check_shard(name: str, item: TensorItem) -> None:
                 f"shard {name!r} of shape {list(shape)} at offset {list(item.offset)} does not fit "
                 f"its global shape {list(item.global_shape)}"
             )
+
+
+def _resolved(predictor: dict, prefix: str) -> dict:
+    """A provider's predictor with full tensor names: ``first`` and ``second`` are the
+    object's (as its items' names), ``weight`` a parameter of the model."""
+    out = dict(predictor)
+    for key in ("first", "second"):
+        if key in out:
+            out[key] = f"{prefix}/{out[key]}"
+    if "weight" in out:
+        out["weight"] = f"model/{out['weight']}"
+    return out

@@ -14,10 +14,10 @@ rounded to ``keep_bits`` (a lossy trajectory point) is encoded and anchored as i
 rounded value, so that a delta against it decodes from main units alone; its low bits
 are compressed beside it, for the restore unit.
 
-A tensor whose provider names a predictor (:mod:`.predictors`: Adam's second moment from
-its first moment) is a delta against that prediction instead, when the tensors it is
-predicted from are at hand: the first moment of the same step, encoded before it (whole),
-and of the same base step.
+A tensor whose provider names a predictor (:mod:`.predictors`: Adam's moments from the
+weights and each other) is a delta against that prediction instead, when the tensors it
+reads are at hand: those of the same step encoded before it (whole), those of the base
+step its anchors.
 
 Anything uncertain forgets every anchor (the next step is a key): a failed
 step, a tensor whose size or dtype changed, a new Checkpointer.
@@ -46,12 +46,13 @@ class _Anchor:
 
 @dataclass
 class _Prediction:
-    """A delta against a prediction from other tensors (``first``: the same step's value of
-    the tensor it is predicted from; ``first_base``: its value at the base step)."""
+    """A delta against a prediction from other tensors: ``values``, the whole tensors it
+    reads (:func:`predictors.dependencies`, in order), ``base2`` the delta's own second
+    base, taken again if the prediction is given up (nothing fits: see :meth:`Encoding.add`)."""
 
     predictor: dict
-    first: np.ndarray
-    first_base: np.ndarray
+    values: list[np.ndarray]
+    base2: "_Anchor | None"
     norms: _NormAccumulator
     scratch: np.ndarray = None
 
@@ -81,15 +82,19 @@ class Encoding:
             piece = self.lossy.add(piece)
         end = self.pos + piece.size
         base = None if self.base is None else self.base.data[self.pos:end]
+        p = self.prediction
+        if p is not None and self.pos == 0 and "fit_decay" in p.predictor:  # a first moment: fit it now
+            p.predictor = predictors.fitted(p.predictor, *p.values[:2], piece, base, p.values[2])
+            if p.predictor is None:  # no update to fit: its own extrapolation instead
+                self.prediction, self.base2, p = None, p.base2, None
         base2 = None if self.base2 is None else self.base2.data[self.pos:end]
         keep = None if self.data is None else self.data[self.pos:end]
-        p = self.prediction
         if p is not None:  # the prediction replaces the base (base2 is None)
             if p.scratch is None or p.scratch.size < piece.size:
                 p.scratch = np.empty(piece.size, np.uint8)
             predicted = p.scratch[:piece.size]
-            diff_sq, base_sq = predictors.predict(p.predictor, p.first[self.pos:end], p.first_base[self.pos:end],
-                                                  base, predicted, x=piece)
+            diff_sq, base_sq = predictors.predict(p.predictor, [v[self.pos:end] for v in p.values], base,
+                                                  predicted, x=piece)
             p.norms.diff_sq += diff_sq
             p.norms.base_sq += base_sq
             base = predicted
@@ -142,19 +147,21 @@ class Anchors:
 
     def predict(self, encoding: Encoding, predictor: dict) -> bool:
         """Make ``encoding`` (a delta just begun, not rounded) a delta against ``predictor``'s
-        prediction if the tensor it is predicted from is at hand: encoded whole at this step
-        as an anchor, and an anchor at the same base step. Returns whether it did."""
+        prediction if the tensors it reads are at hand: those of this step encoded whole
+        as anchors, those of the base step its anchors too. Returns whether it did."""
         base = encoding.base
         if base is None or encoding.lossy is not None or encoding.anchor is None or base.dtype not in predictors.DTYPES:
             return False
-        first = self._pending.get(predictor["first"])
-        first_base = self._anchors.get(predictor["first"])
-        if (first is None or first_base is None or first.step != encoding.anchor.step
-                or first_base.step != base.step or first.dtype != base.dtype or first_base.dtype != base.dtype
-                or first.filled != base.data.size or first_base.data.size != base.data.size):
-            return False
+        values = []
+        for step, name in predictors.dependencies(predictor, encoding.anchor.step, base.step):
+            now = step == encoding.anchor.step
+            found = (self._pending if now else self._anchors).get(name)
+            if (found is None or found.step != step or found.dtype != base.dtype
+                    or found.data.size != base.data.size or (now and found.filled != found.data.size)):
+                return False
+            values.append(found.data)
+        encoding.prediction = _Prediction(dict(predictor), values, encoding.base2, _NormAccumulator(base.dtype))
         encoding.base2 = None
-        encoding.prediction = _Prediction(predictor, first.data, first_base.data, _NormAccumulator(base.dtype))
         return True
 
     def committed(self) -> None:

@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import predictors
 from .cache import HostCache
 from .codecs import MantissaSplit, rounding_bound
 from .deltas import Anchors, Encoding
@@ -171,7 +172,8 @@ class Flusher:
                 encoding = step.encodings[index] = self.anchors.begin(
                     item.name, dtype, nbytes, step.ckpt.step, plan.may_delta(item.name), plan.anchor, keep_bits)
                 # predicted from a tensor of the same unit only: one kept as long as it is
-                if item.predictor is not None and plan.part(item.predictor["first"]) == plan.part(item.name):
+                if item.predictor is not None and all(plan.part(name) == plan.part(item.name)
+                                                      for _, name in predictors.dependencies(item.predictor, 0, 0)):
                     self.anchors.predict(encoding, item.predictor)
                 return  # defined once its encoded size is known
         block = {} if item.global_shape is None else {"block": (item.global_shape, item.offset)}

@@ -154,11 +154,13 @@ class TensorRecord:
 
     def dependencies(self, step: int) -> list[tuple[int, str]]:
         """The values ``(step, name)`` this tensor at ``step`` is decoded against: its own at
-        its base steps, and for a predicted delta the first moment at ``step`` and at the base."""
+        its base steps, then for a predicted delta those its prediction reads (predictors.py)."""
         own = [(b, self.name) for b in self.base_steps]
         if self.predictor is None:
             return own
-        return own + [(step, self.predictor["first"]), (self.base, self.predictor["first"])]
+        from .predictors import dependencies
+
+        return own + dependencies(self.predictor, step, self.base)
 
     @property
     def has_low_bits(self) -> bool:
@@ -280,16 +282,17 @@ class TensorRecord:
     def _check_encoded(self, itemsize: int, indexed: bool) -> None:
         name = self.name
         if self.predictor is not None:
-            from .predictors import DTYPES, check
+            from .predictors import DTYPES, check, dependencies
 
             try:
                 check(self.predictor)
             except ValueError as exc:
                 raise ValueError(f"tensor {name!r}: {exc}") from None
+            others = sorted({n for _, n in dependencies(self.predictor, 1, 0)})
             if self.encoding != DELTA or self.base2 is not None or self.dtype not in DTYPES \
-                    or self.predictor["first"] == name or self.dropped_bits:
-                raise ValueError(f"tensor {name!r} is predicted from {self.predictor['first']!r} but is not an "
-                                 f"exact {'/'.join(DTYPES)} delta against one base step of another tensor")
+                    or name in others or self.dropped_bits:
+                raise ValueError(f"tensor {name!r} is predicted from {', '.join(map(repr, others))} but is not an "
+                                 f"exact {'/'.join(DTYPES)} delta against one base step of other tensors")
         if self.blocks is not None:
             raise ValueError(f"tensor {name!r} is encoded ({self.encoding}) and in blocks: a writer "
                              "encodes only whole tensors")

@@ -159,16 +159,29 @@ class StepData:
             self.records[rec.name] = rec
 
     def _check_predicted(self) -> None:
-        """A predicted delta's first tensor is of this step, alike, in the same unit, and not
-        predicted itself (so the values a read decodes never go round in a loop)."""
+        """The tensors a predicted delta reads at this step are here, alike and in the same
+        unit, and none is predicted from itself: ``ranks`` orders them (a tensor after those
+        it is predicted from), so the values a read decodes never go round in a loop."""
+        self.ranks: dict[str, int] = {}
         for rec in self.records.values():
-            if rec.predictor is None:
-                continue
-            first = self.records.get(rec.predictor["first"])
-            if first is None or first.predictor is not None or (first.dtype, first.shape, first.part) != (
-                    rec.dtype, rec.shape, rec.part):
-                raise ValueError(f"tensor {rec.name!r} is predicted from {rec.predictor['first']!r}, which the "
-                                 "step does not hold as an unpredicted tensor of the same dtype, shape and unit")
+            self._rank(rec, ())
+
+    def _rank(self, rec: TensorRecord, through: tuple[str, ...]) -> int:
+        if rec.predictor is None:
+            return 0
+        if rec.name in self.ranks:
+            return self.ranks[rec.name]
+        if rec.name in through:
+            raise ValueError(f"tensor {rec.name!r} is predicted from itself (through {', '.join(map(repr, through))})")
+        rank = 1
+        for name in predictors.same_step(rec.predictor):
+            other = self.records.get(name)
+            if other is None or (other.dtype, other.shape, other.part) != (rec.dtype, rec.shape, rec.part):
+                raise ValueError(f"tensor {rec.name!r} is predicted from {name!r}, which the step does not hold as "
+                                 "a tensor of the same dtype, shape and unit")
+            rank = max(rank, self._rank(other, through + (rec.name,)) + 1)
+        self.ranks[rec.name] = rank
+        return rank
 
     def _check_stored_bytes(self) -> None:
         """A tensor's stored bytes lie in its unit: a record that declares more bytes
@@ -228,7 +241,7 @@ class StepData:
         :data:`BATCH_BYTES`), then each decoded straight into its destination (a tensor of
         ``into``, or fresh memory); a predicted delta after the tensor it is predicted from
         (of its unit: listed first). Not remembered as bases: the caller owns what it reads."""
-        wanted = sorted(wanted, key=lambda r: r.predictor is not None)
+        wanted = sorted(wanted, key=lambda r: self.ranks.get(r.name, 0))
         batches: list[list[TensorRecord]] = []
         for part in {r.part for r in wanted}:
             size = BATCH_BYTES  # each unit starts a batch of its own
@@ -247,9 +260,10 @@ class StepData:
                     blobs = self._read_blobs(batch)
                 # bases are found here, in order (they may read and decode other steps);
                 # the decodes themselves, which touch nothing shared, run on the pool
-                decoding, decoded, given = [], {}, bases
+                decoding, decoded, given, rank = [], {}, bases, 0
                 for rec in batch:
-                    if rec.predictor is not None and given is bases:
+                    if self.ranks.get(rec.name, 0) > rank:
+                        rank = self.ranks[rec.name]
                         for done in decoding:  # the values it is predicted from, decoded and checked
                             done.result()
                         given = dict(bases or {})
@@ -413,7 +427,8 @@ class StepData:
         pinned: dict[tuple[int, str], np.ndarray] = {}  # the first walk decodes the others: kept for them
         out = []
         for step, name in needs:
-            if step == self.row.step:  # a predicted delta's first tensor, of this step (not predicted)
+            if step == self.row.step and name != rec.name and name in predictors.same_step(rec.predictor or {}):
+                # a tensor a predicted delta reads at this step (of a lower rank: _check_predicted)
                 out.append(self._sized(rec, step, self.stored(self.records[name])))
             else:
                 out.append(self._base(rec, step, name, pinned, needs))
@@ -430,9 +445,9 @@ class StepData:
         """Decode ``blob`` into ``out`` against ``bases`` and check the checksum: no state
         of the store is touched, so several threads may decode at once."""
         try:
-            if rec.predictor is not None:  # bases: its own at the base step, the first tensor's now and there
+            if rec.predictor is not None:  # bases: its own at the base step, then those the prediction reads
                 predicted = np.empty(rec.nbytes, np.uint8)
-                predictors.predict(rec.predictor, bases[1], bases[2], bases[0], predicted)
+                predictors.predict(rec.predictor, bases[1:], bases[0], predicted)
                 bases = [predicted]
             decode(blob, rec.chunks, storage_dtype(torch_dtype(rec.dtype)).itemsize, out, *bases,
                    drop=rec.dropped_bits)
@@ -646,32 +661,31 @@ class Store:
     def _walk(self, wanted: list[tuple[int, str]], held: dict) -> dict[tuple[int, str], list[tuple[int, str]]]:
         """The values to decode for ``wanted`` (``(step, name)``), each with the values it is
         decoded against, in an order that decodes every value after those: lowest step
-        first, a predicted delta after the tensor it is predicted from. Values found
+        first, a predicted delta after the tensors it reads at its step. Values found
         remembered go to ``held`` (which holds them while they are needed) and end the walk
         down there. Raises CorruptionError for a dependency a writer never makes (not
         earlier, or of the same step but not the first tensor of a predicted delta)."""
         needs: dict[tuple[int, str], list[tuple[int, str]]] = {}
-        predicted: set[tuple[int, str]] = set()
+        rank: dict[tuple[int, str], int] = {}  # the tensors a prediction reads at a step come first
         todo = list(wanted)
         while todo:
             key = todo.pop()
             if key in needs or key in held:
                 continue
-            _, rec, cached = self._base_record(*key)
+            data, rec, cached = self._base_record(*key)
             if cached is not None:
                 held[key] = cached  # held: remember() may let it go meanwhile
                 continue
             deps = rec.dependencies(key[0])
             for dep in deps:
-                same_step_first = rec.predictor is not None and dep == (key[0], rec.predictor["first"])
-                if dep[0] > key[0] or (dep[0] == key[0] and not same_step_first):
+                read_now = rec.predictor is not None and dep[1] in predictors.same_step(rec.predictor)
+                if dep[0] > key[0] or (dep[0] == key[0] and not read_now):
                     raise CorruptionError(f"tensor {key[1]!r} of step {key[0]} in {self.run_dir} is a delta "
                                           f"against step {dep[0]}, which is not earlier: the step's data is damaged")
-            if rec.predictor is not None:
-                predicted.add(key)
+            rank[key] = data.ranks.get(key[1], 0)
             needs[key] = deps
             todo += deps
-        return {key: needs[key] for key in sorted(needs, key=lambda k: (k[0], k in predicted, k[1]))}
+        return {key: needs[key] for key in sorted(needs, key=lambda k: (k[0], rank[k], k[1]))}
 
     def warm_bases(self, wanted: list[tuple[int, str]]) -> dict[tuple[int, str], np.ndarray]:
         """Decode the bases ``(step, name)``, and the bases they need in turn, a step at a

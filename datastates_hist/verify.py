@@ -130,16 +130,30 @@ def _check_tensor(store: Store, data: StepData, rec: TensorRecord) -> list[Probl
     """The problem of one tensor, if any: a delta whose base cannot be read is
     reported as such (the base's own step reports what is wrong with it)."""
     step = data.row.step
-    if rec.base is not None and rec.base < step:
+    for base, name in _earlier_values(data, rec):
         try:
-            store.base(rec.base, rec.name)  # decoded once: the read below finds it
+            store.base(base, name)  # decoded once: the read below finds it
         except Exception as exc:
-            return [Problem(step, rec.name, f"its delta base at step {rec.base} cannot be read: {exc}")]
+            return [Problem(step, rec.name, f"its delta base at step {base} cannot be read: {exc}")]
     try:
         data.read(rec.name)
     except Exception as exc:
         return [Problem(step, rec.name, str(exc))]
     return []
+
+
+def _earlier_values(data: StepData, rec: TensorRecord) -> list[tuple[int, str]]:
+    """The values of earlier steps that decoding ``rec`` reads: its bases, and for a
+    predicted delta those its prediction reads, there or through tensors of its step."""
+    step, found, todo, seen = data.row.step, [], [rec], {rec.name}
+    while todo:
+        for base, name in todo.pop().dependencies(step):
+            if base < step:
+                found.append((base, name))
+            elif name not in seen and name in data.records:
+                seen.add(name)
+                todo.append(data.records[name])
+    return list(dict.fromkeys(found))
 
 
 def _check_manifest(store: Store, data: StepData) -> list[Problem]:

@@ -1,4 +1,5 @@
-"""Predicted deltas (datastates_hist.predictors): Adam's second moment from its first moment.
+"""Predicted deltas (datastates_hist.predictors): Adam's moments from the weights' update
+and from each other.
 
 The contract suite (test_backend_contract.py) runs the round trip on every backend; here:
 the C kernel against the numpy reference, bit for bit; what the writer predicts and what
@@ -46,8 +47,8 @@ def test_kernel_and_numpy_reference_predict_the_same_bits(betas):
         x = (v1.view(np.float32) * np.float32(1.01)).view(np.uint8)
     predictor = predictors.adam_second_moment("m", *betas)
     kernel, reference = np.empty_like(m), np.empty_like(m)
-    sums = predictors.predict(predictor, m, m1, v1, kernel, x=x)
-    expected = predictors.predict(predictor, m, m1, v1, reference, x=x, use_kernel=False)
+    sums = predictors.predict(predictor, [m, m1], v1, kernel, x=x)
+    expected = predictors.predict(predictor, [m, m1], v1, reference, x=x, use_kernel=False)
     assert np.array_equal(kernel, reference)
     assert np.allclose(sums, expected, equal_nan=True)
     # where an input is unusual, the prediction is v1's bits
@@ -56,13 +57,60 @@ def test_kernel_and_numpy_reference_predict_the_same_bits(betas):
     assert np.array_equal(kernel.view(np.uint32)[unusual], bits[2][unusual])
 
 
+FIRST = {"kind": "adam_first_moment", "weight": "w", "second": "v", "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
+         "bias2": 0.9, "step_size": 1e-3, "decay": 1e-4}
+
+
+@pytest.mark.skipif(_fused is None, reason="the C kernel is not built")
+@pytest.mark.parametrize("changes", [{}, {"beta1": 0.0, "beta2": 0.0, "eps": 0.0, "bias2": 1.0, "step_size": -5.0,
+                                          "decay": 0.0}, {"eps": 1e-3, "step_size": 1e-7, "decay": -0.5}])
+def test_first_moment_kernel_and_numpy_reference_predict_the_same_bits(changes):
+    m, m1, v1 = moments(200_003, seed=7)
+    rng = np.random.default_rng(8)
+    w1 = (rng.standard_normal(m.size // 4) * 0.05).astype(np.float32)
+    with np.errstate(all="ignore"):
+        w = (w1 * np.float32(0.9999) - np.float32(1e-3) * m.view(np.float32)).view(np.uint8)
+    w.view(np.float32)[rng.integers(0, w1.size, 2000)] = rng.choice(SPECIAL, 2000)
+    w1 = w1.view(np.uint8)
+    v1 = np.abs(v1.view(np.float32)).view(np.uint8)
+    predictor = {**FIRST, **changes}
+    kernel, reference = np.empty_like(m), np.empty_like(m)
+    predictors.predict(predictor, [w, w1, v1], m1, kernel)
+    predictors.predict(predictor, [w, w1, v1], m1, reference, use_kernel=False)
+    assert np.array_equal(kernel, reference)
+
+
+def test_the_first_moment_is_recovered_from_the_update():
+    """An AdamW step of torch's, predicted from the weights before and after it."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4096))
+    opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    for _ in range(3):
+        p.grad = torch.randn(4096)
+        opt.step()
+    w1, m1, v1 = (t.detach().clone().numpy().view(np.uint8) for t in (p, opt.state[p]["exp_avg"],
+                                                                       opt.state[p]["exp_avg_sq"]))
+    p.grad = torch.randn(4096)
+    opt.step()
+    w, m = (t.detach().numpy().view(np.uint8) for t in (p, opt.state[p]["exp_avg"]))
+    template = predictors.adam_first_moment("w", "v", 0.9, 0.95, 1e-8, 4, fit_decay=True)
+    fitted = predictors.fitted(template, w, w1, m, m1, v1)
+    assert abs(fitted["step_size"] - 1e-3 / (1 - 0.9 ** 4)) < 1e-6 and abs(fitted["decay"] - 1e-4) < 1e-6
+    out = np.empty_like(m)
+    predictors.predict(fitted, [w, w1, v1], m1, out)
+    exact, before = m.view(np.float32), m1.view(np.float32)
+    error = np.median(np.abs(out.view(np.float32) - exact) / np.abs(exact))
+    assert error < 1e-3 and error < 1e-2 * np.median(np.abs(before - exact) / np.abs(exact))
+    assert predictors.fitted(template, w1, w1, m, m1, v1) is None  # no update: nothing fits
+
+
 def test_the_prediction_follows_adams_update():
     m1 = np.float32([1e-3, -2e-3]).view(np.uint8)
     v1 = np.float32([4e-6, 1e-6]).view(np.uint8)
     g = np.float64([3e-3, 1e-3])
     m = (0.9 * m1.view(np.float32) + 0.1 * g).astype(np.float32).view(np.uint8)
     out = np.empty_like(m)
-    predictors.predict(predictors.adam_second_moment("m", 0.9, 0.95), m, m1, v1, out)
+    predictors.predict(predictors.adam_second_moment("m", 0.9, 0.95), [m, m1], v1, out)
     expected = 0.95 * v1.view(np.float32).astype(np.float64) + 0.05 * g * g
     assert np.allclose(out.view(np.float32), expected, rtol=1e-5)
 
@@ -94,16 +142,18 @@ def step_records(run_dir, step):
         store.close()
 
 
-def test_adamw_second_moments_store_little_more_than_rounding(tmp_path):
+def test_adamw_moments_store_little_more_than_rounding(tmp_path):
     model = mlp()
     train(model, torch.optim.AdamW(model.parameters(), betas=(0.9, 0.95)), 20, str(tmp_path / "run"))
     records = step_records(str(tmp_path / "run"), 19)
     second = records["optim/state/0.weight/exp_avg_sq"]
     first = records["optim/state/0.weight/exp_avg"]
-    assert second.predictor is not None and first.predictor is None
-    # against its 2-step extrapolation exp_avg_sq took 0.59 of its bytes (GPT small)
+    assert second.predictor["kind"] == "adam_second_moment" and first.predictor["kind"] == "adam_first_moment"
+    # against their 2-step extrapolations they took 0.59 and 0.82 of their bytes (GPT small)
     assert second.stored < 0.25 * second.nbytes, second.stored / second.nbytes
-    assert second.update_ratio is not None and 0 < second.update_ratio < 1  # against its base, not the prediction
+    assert first.stored < 0.6 * first.nbytes, first.stored / first.nbytes
+    for rec in (first, second):  # against the base, not the prediction
+        assert rec.update_ratio is not None and 0 < rec.update_ratio < 1
 
 
 @pytest.mark.parametrize("make", [lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
@@ -139,17 +189,22 @@ def predicted_record(**changes):
     ({"predictor": {"kind": "sgd", "first": "o/m", "beta1": 0.9, "beta2": 0.9}},
      "tensor 'o/v': the predictor {'kind': 'sgd'"),
     ({"predictor": {"kind": "adam_second_moment", "first": "o/m", "beta1": 1.0, "beta2": 0.9}},
-     "needs a tensor name 'first' and float 'beta1', 'beta2' in [0, 1)"),
+     "tensor names ['first'] and float 'beta1', 'beta2' in [0, 1)"),
     ({"predictor": {"kind": "adam_second_moment", "first": "o/m", "beta1": True, "beta2": 0.9}},
-     "needs a tensor name 'first' and float 'beta1', 'beta2' in [0, 1)"),
+     "tensor names ['first'] and float 'beta1', 'beta2' in [0, 1)"),
     ({"predictor": {"kind": "adam_second_moment", "first": "o/m", "beta1": 0.9}},
-     "needs a tensor name 'first' and float 'beta1', 'beta2' in [0, 1)"),
+     "tensor names ['first'] and float 'beta1', 'beta2' in [0, 1)"),
     ({"encoding": "key", "base": None}, "is predicted from 'o/m' but is not an exact float32 delta"),
     ({"encoding": "raw", "stored": None, "base": None, "chunks": None}, "is predicted from 'o/m' but is not"),
     ({"base2": 2}, "is predicted from 'o/m' but is not an exact float32 delta against one base step"),
     ({"dtype": "float64", "nbytes": 32, "chunks": [[32, 16, 0]]}, "is predicted from 'o/m' but is not"),
     ({"predictor": {"kind": "adam_second_moment", "first": "o/v", "beta1": 0.9, "beta2": 0.9}},
      "is predicted from 'o/v' but is not"),
+    ({"predictor": {**FIRST, "step_size": 0.0}}, "needs float 'eps' >= 0, 'bias2' in (0, 1], 'step_size' not 0"),
+    ({"predictor": {**FIRST, "bias2": 1.5}}, "needs float 'eps' >= 0, 'bias2' in (0, 1], 'step_size' not 0"),
+    ({"predictor": {**FIRST, "eps": float("nan")}}, "needs float 'eps' >= 0"),
+    ({"predictor": {k: v for k, v in FIRST.items() if k != "decay"}}, "needs the keys ['beta1', 'beta2', 'bias2'"),
+    ({"predictor": {**FIRST, "weight": "o/v"}}, "is predicted from 'o/v', 'v' but is not"),
 ])
 def test_malformed_predictors_are_refused_by_name(changes, message):
     with pytest.raises(ValueError) as info:
@@ -171,13 +226,13 @@ def entry(doc, name):
 @pytest.mark.parametrize("edit, message", [
     (lambda doc: entry(doc, "optim/state/0.weight/exp_avg_sq")["predictor"].update(first="optim/state/nothing"),
      "tensor 'optim/state/0.weight/exp_avg_sq' is predicted from 'optim/state/nothing', which the step does not "
-     "hold as an unpredicted tensor of the same dtype, shape and unit"),
+     "hold as a tensor of the same dtype, shape and unit"),
     (lambda doc: entry(doc, "optim/state/0.weight/exp_avg_sq")["predictor"].update(first="optim/state/0.bias/exp_avg"),
-     "is predicted from 'optim/state/0.bias/exp_avg', which the step does not hold as an unpredicted tensor"),
-    (lambda doc: [entry(doc, "optim/state/0.weight/exp_avg").pop("base2"), entry(doc, "optim/state/0.weight/exp_avg")
-                  .update(predictor={"kind": "adam_second_moment", "first": "optim/state/0.weight/exp_avg_sq",
-                                     "beta1": 0.9, "beta2": 0.999})],
-     "which the step does not hold as an unpredicted tensor"),
+     "is predicted from 'optim/state/0.bias/exp_avg', which the step does not hold as a tensor of the same"),
+    (lambda doc: entry(doc, "optim/state/0.weight/exp_avg")["predictor"].update(
+        weight="optim/state/0.weight/exp_avg_sq"),
+     "tensor 'optim/state/0.weight/exp_avg' is predicted from itself (through 'optim/state/0.weight/exp_avg', "
+     "'optim/state/0.weight/exp_avg_sq')"),
 ])
 def test_crafted_predicted_deltas_are_refused_by_name(tmp_path, edit, message):
     run_dir = written(tmp_path)

@@ -7,8 +7,8 @@ exp_avg_sq at 4 consecutive steps, and encodes every tensor as the flusher would
   key      each step alone (no delta)
   delta    the residual against the same tensor at the previous step (1 base), or against
            the extrapolation from the two previous steps (2 bases, what the writer stores)
-  predicted  exp_avg_sq as a delta against its prediction from exp_avg at the same and the
-           previous step (datastates_hist.predictors: what the writer stores for AdamW)
+  predicted  exp_avg as a delta against its prediction from the weights' update, exp_avg_sq
+           from exp_avg (datastates_hist.predictors: what the writer stores for AdamW)
   lossy    weights rounded to ``--keep-bits`` mantissa bits, the residual against the two
            previous rounded weights shifted right by the bits rounding dropped (as the
            writer stores a trajectory point); with the largest relative error measured
@@ -47,7 +47,8 @@ import train_gpt  # noqa: E402
 from datastates_hist import codecs, predictors  # noqa: E402
 
 KINDS = ("weights", "exp_avg", "exp_avg_sq")
-BETAS = (0.9, 0.95)  # train_gpt.make_optimizer's
+BETAS, EPS = (0.9, 0.95), 1e-8  # train_gpt.make_optimizer's
+DECAYS: list[bool] = []  # per parameter: in AdamW's decayed group (train_gpt.make_optimizer)
 
 
 def training_states(size: str, warmup: int, count: int, seed: int = 1337) -> list[dict]:
@@ -68,7 +69,10 @@ def training_states(size: str, warmup: int, count: int, seed: int = 1337) -> lis
         scheduler.step()
         if step >= warmup:
             params = list(model.parameters())
+            decayed = {id(p) for p in optimizer.param_groups[0]["params"]}
+            DECAYS[:] = [id(p) in decayed for p in params]
             states.append({
+                "step": int(optimizer.state[params[0]]["step"]),
                 "weights": [p.detach().numpy().copy() for p in params],
                 "exp_avg": [optimizer.state[p]["exp_avg"].numpy().copy() for p in params],
                 "exp_avg_sq": [optimizer.state[p]["exp_avg_sq"].numpy().copy() for p in params],
@@ -134,8 +138,9 @@ def codec_rows(states: list[dict], keep_bits: int) -> list[tuple]:
                 raw, stored, enc = raw + r, stored + s, enc + e
                 dec += decode_seconds(encoded)
             rows.append((kind, mode, stored / raw, raw / enc / 1e6, raw / dec / 1e6, ""))
-    rows.append(predicted_row(states))
-    writer = {("weights", "delta, 2 bases"), ("exp_avg", "delta, 2 bases"), ("exp_avg_sq", "predicted from exp_avg")}
+    rows += predicted_rows(states, [s["step"] for s in states])
+    writer = {("weights", "delta, 2 bases"), ("exp_avg", "predicted from the weights' update"),
+              ("exp_avg_sq", "predicted from exp_avg")}
     ratios = [row[2] for row in rows if (row[0], row[1]) in writer]  # the three are of equal size
     rows.append(("all state", "the writer's", sum(ratios) / len(ratios), float("nan"), float("nan"),
                  "weights, exp_avg, exp_avg_sq as above"))
@@ -156,32 +161,51 @@ def codec_rows(states: list[dict], keep_bits: int) -> list[tuple]:
     return rows
 
 
-def predicted_row(states: list[dict]) -> tuple:
-    """exp_avg_sq as the writer stores it in consecutive restore points: a delta against
-    its prediction from exp_avg (datastates_hist.predictors, the example's betas)."""
-    predictor = predictors.adam_second_moment("exp_avg", *BETAS)
-    raw = stored = 0
-    enc = dec = 0.0
-    for t in range(2, len(states)):
-        for v, m, m1, v1 in zip(*(states[s][k] for s, k in ((t, "exp_avg_sq"), (t, "exp_avg"),
-                                                              (t - 1, "exp_avg"), (t - 1, "exp_avg_sq")))):
-            v, m, m1, v1 = (as_bytes(a) for a in (v, m, m1, v1))
-            start = time.perf_counter()
-            predicted = np.empty(v.size, np.uint8)
-            predictors.predict(predictor, m, m1, v1, predicted, x=v)
-            encoder = codecs.Encoder("float32", delta=True)
-            encoder.add(v, predicted)
-            blob, chunks, _ = encoder.finish()
-            enc += time.perf_counter() - start
-            out = np.empty(v.size, np.uint8)
-            start = time.perf_counter()
-            again = np.empty(v.size, np.uint8)
-            predictors.predict(predictor, m, m1, v1, again)
-            codecs.decode(blob, chunks, 4, out, again)
-            dec += time.perf_counter() - start
-            assert np.array_equal(out, v), "round trip differs"
-            raw, stored = raw + v.size, stored + blob.size
-    return ("exp_avg_sq", "predicted from exp_avg", stored / raw, raw / enc / 1e6, raw / dec / 1e6, "")
+def _predicted(predictor, x, values, base) -> tuple[int, float, float]:
+    """Encode ``x`` as a delta against ``predictor``'s prediction, decode it back (checked):
+    (stored bytes, encode seconds, decode seconds)."""
+    start = time.perf_counter()
+    if "fit_decay" in predictor:  # a first moment: fitted as the writer fits it
+        predictor = predictors.fitted(predictor, values[0], values[1], x, base, values[2])
+    predicted = np.empty(x.size, np.uint8)
+    predictors.predict(predictor, values, base, predicted, x=x)
+    encoder = codecs.Encoder("float32", delta=True)
+    encoder.add(x, predicted)
+    blob, chunks, _ = encoder.finish()
+    encode = time.perf_counter() - start
+    out, again = np.empty(x.size, np.uint8), np.empty(x.size, np.uint8)
+    start = time.perf_counter()
+    predictors.predict(predictor, values, base, again)
+    codecs.decode(blob, chunks, 4, out, again)
+    decode = time.perf_counter() - start
+    assert np.array_equal(out, x), "round trip differs"
+    return blob.size, encode, decode
+
+
+def predicted_rows(states: list[dict], steps: list[int]) -> list[tuple]:
+    """AdamW's moments as the writer stores them in consecutive restore points: exp_avg
+    against its prediction from the weights' update, exp_avg_sq from exp_avg
+    (datastates_hist.predictors, the example's betas; ``steps``: each tensor's AdamW step
+    count, for the bias correction)."""
+    rows = []
+    for kind in ("exp_avg", "exp_avg_sq"):
+        raw = stored = 0
+        enc = dec = 0.0
+        for t in range(2, len(states)):
+            now, before = states[t], states[t - 1]
+            for i in range(len(now[kind])):
+                b = [as_bytes(a) for a in (now["weights"][i], before["weights"][i], now["exp_avg"][i],
+                                           before["exp_avg"][i], now["exp_avg_sq"][i], before["exp_avg_sq"][i])]
+                w, w1, m, m1, v, v1 = b
+                if kind == "exp_avg":
+                    template = predictors.adam_first_moment("w", "v", *BETAS, EPS, steps[t], DECAYS[i])
+                    size, e, d = _predicted(template, m, [w, w1, v1], m1)
+                else:
+                    size, e, d = _predicted(predictors.adam_second_moment("m", *BETAS), v, [m, m1], v1)
+                raw, stored, enc, dec = raw + m.size, stored + size, enc + e, dec + d
+        source = "the weights' update" if kind == "exp_avg" else "exp_avg"
+        rows.append((kind, f"predicted from {source}", stored / raw, raw / enc / 1e6, raw / dec / 1e6, ""))
+    return rows
 
 
 def settings_rows(states: list[dict]) -> list[tuple]:
@@ -287,10 +311,11 @@ def main(argv=None) -> None:
     print(f"GPT {args.size}: {nbytes / 1e6:.1f} MB of float32 weights; steps "
           f"{args.warmup + 1}-{args.warmup + 4}; blosc2 {blosc2.__version__}, zstd level "
           f"{codecs.CLEVEL}, {codecs.SHUFFLE.name.lower()}")
-    print(f"| {'state':10} | {'encoding':24} | stored/raw | encode MB/s | decode MB/s | |")
-    print(f"|{'-' * 12}|{'-' * 26}|------------|-------------|-------------|---|")
+    print(f"| {'state':10} | {'encoding':34} | stored/raw | encode MB/s | decode MB/s | |")
+    print(f"|{'-' * 12}|{'-' * 36}|------------|-------------|-------------|---|")
     for kind, mode, ratio, enc, dec, note in codec_rows(states, args.keep_bits):
-        print(f"| {kind:10} | {mode:24} | {ratio:10.3f} | {enc:11.0f} | {dec:11.0f} | {note} |")
+        speeds = "          - |           -" if enc != enc else f"{enc:11.0f} | {dec:11.0f}"
+        print(f"| {kind:10} | {mode:34} | {ratio:10.3f} | {speeds} | {note} |")
     if args.compare:
         print("\nXOR deltas of consecutive steps, stored/raw by blosc2 setting (one thread):")
         print("| codec | filter | weights | exp_avg | exp_avg_sq | encode MB/s |")

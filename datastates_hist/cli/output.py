@@ -14,13 +14,14 @@ def add_json_flag(cmd) -> None:
     cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def emit(args, columns: list[str], rows: list[list[Any]], data: Any, left=("name",)) -> None:
+def emit(args, columns: list[str], rows: list[list[Any]], data: Any, left=("name",), wrap: str | None = None) -> None:
     """Print ``data`` as JSON when ``--json`` was given, else ``rows`` as a table.
 
     A cell is a string, or a number (None and NaN print blank) printed with 6
     significant digits, or fewer where that lets the table fit the console. The
     first column (the names) does not wrap: a name too long for the room the other
-    columns leave is shortened (see :func:`shorten`).
+    columns leave is shortened (see :func:`shorten`). Column ``wrap`` (free text, the
+    last) wraps instead, in the room the others leave unshortened.
     """
     if getattr(args, "json", False):
         json.dump(data, sys.stdout, indent=1, default=_jsonable)
@@ -30,22 +31,22 @@ def emit(args, columns: list[str], rows: list[list[Any]], data: Any, left=("name
     for digits in (6, 4, 3):
         cells = [[cell if isinstance(cell, str) else num(cell, digits) for cell in row] for row in rows]
         by_column = [list(column) for column in zip(columns, *cells)]
-        if table_width(by_column) <= out.width:
+        if table_width(by_column) <= out.width or wrap is not None:
             break
     else:
         room = out.width - table_width(by_column[1:]) - GAP
         cells = [[shorten(row[0], room), *row[1:]] for row in cells]
-    out.print(table(columns, cells, left))
+    out.print(table(columns, cells, left, wrap))
 
 
-def table(columns: list[str], cells: list[list[str]], left):
+def table(columns: list[str], cells: list[list[str]], left, wrap: str | None = None):
     from rich.table import Table
     from rich.text import Text
 
     # no edge padding: two spaces between columns and none around them leave the names more room
     grid = Table(show_edge=False, box=None, header_style="bold", pad_edge=False, padding=(0, GAP // 2))
     for i, col in enumerate(columns):
-        grid.add_column(col, justify="left" if i == 0 or col in left else "right", no_wrap=i > 0,
+        grid.add_column(col, justify="left" if i == 0 or col in left else "right", no_wrap=i > 0 and col != wrap,
                         overflow="fold")
     for row in cells:
         grid.add_row(*map(Text, row))  # as written: a '[' in a name is not rich markup

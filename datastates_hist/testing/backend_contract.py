@@ -242,10 +242,11 @@ class BackendContract:
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 assert bits(fresh_opt.state[q][key].reshape(-1)) == bits(opt.state[p][key].reshape(-1)), key
 
-    def test_adam_second_moment_is_predicted_and_restores_bit_exact(self, run_dir, backend):
-        """Consecutive restore points of AdamW: exp_avg_sq is a delta against its
-        prediction from exp_avg (predictors.py), every step but the keys; each step reads
-        back and restores bit for bit, going forward and back in time."""
+    def test_adam_moments_are_predicted_and_restore_bit_exact(self, run_dir, backend):
+        """Consecutive restore points of AdamW: exp_avg is a delta against its prediction
+        from the weights' update, exp_avg_sq against its prediction from exp_avg
+        (predictors.py), every step but the keys; each step reads back and restores bit for
+        bit, going forward and back in time."""
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
@@ -257,32 +258,40 @@ class BackendContract:
                 opt.step()
                 ckpt.write(step, model, opt)
                 ckpt.wait()
-                states[step] = [opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
+                states[step] = [opt.state[p][k].clone() for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
         store = Store(run_dir)
         try:
             for step in range(9):
                 with store.open_step(step) as data:
                     predicted = {r.name for r in data.records.values() if r.predictor is not None}
-                    seconds = {n for n in data.records if n.endswith("/exp_avg_sq")}
-                    assert predicted == (set() if step % 4 == 0 else seconds), step
+                    moments = {n for n in data.records if n.endswith(("/exp_avg", "/exp_avg_sq"))}
+                    assert predicted == (set() if step % 4 == 0 else moments), step
                     for rec in data.records.values():
-                        if rec.predictor is not None:
+                        if rec.name.endswith("/exp_avg_sq") and rec.predictor is not None:
                             assert rec.predictor == {"kind": "adam_second_moment", "beta1": 0.9, "beta2": 0.95,
                                                      "first": rec.name[:-len("_sq")]}
+                        if rec.name.endswith("/exp_avg") and rec.predictor is not None:
+                            p = rec.predictor
+                            assert (p["kind"], p["weight"], p["second"]) == (
+                                "adam_first_moment", "model/" + rec.name.split("/")[2], rec.name + "_sq")
+                            assert abs(p["bias2"] - (1 - 0.95 ** (step + 1)) ** 0.5) < 1e-12 and p["step_size"] > 0
+                        if rec.predictor is not None:
                             assert rec.base == step - 1 and rec.base2 is None
         finally:
             store.close()
         for order in (range(9), reversed(range(9))):
             with dh.open(run_dir) as h:
                 for step in order:
-                    for name, value in zip(names, states[step]):
-                        assert bits(h.read(f"optim/state/{name}/exp_avg_sq", step)) == bits(value), (step, name)
+                    keys = [f"optim/state/{n}/{k}" for n in names for k in ("exp_avg", "exp_avg_sq")]
+                    for name, value in zip(keys, states[step]):
+                        assert bits(h.read(name, step)) == bits(value), (step, name)
         fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, betas=(0.9, 0.95))
         with dh.Checkpointer(run_dir) as ckpt:
             ckpt.restore(7, model=fresh, optimizer=fresh_opt)
-        for q, value in zip(fresh.parameters(), states[7]):
-            assert bits(fresh_opt.state[q]["exp_avg_sq"].reshape(-1)) == bits(value.reshape(-1))
+        restored = [fresh_opt.state[q][k] for q in fresh.parameters() for k in ("exp_avg", "exp_avg_sq")]
+        for got, value in zip(restored, states[7]):
+            assert bits(got.reshape(-1)) == bits(value.reshape(-1))
         assert verify_run(run_dir) == []
 
     def test_plain_values_round_trip(self, run_dir, backend):
