@@ -128,7 +128,7 @@ def _sums(x, base, cut) -> tuple[float, float]:
         return 0.0, 0.0
     b = _as_f64(base[cut])
     d = x.view(np.uint32)[cut].view(np.float32).astype(np.float64) - b
-    return float(np.dot(d, d)), float(np.dot(b, b))
+    return float((d * d).sum()), float((b * b).sum())
 
 
 def _second_moment_numpy(m, m1, v1, out, beta1, beta2, x):
@@ -219,13 +219,15 @@ def fitted(predictor: dict, w: np.ndarray, w1: np.ndarray, m: np.ndarray, m1: np
         update = w - w1
         ok = np.isfinite(q) & np.isfinite(update) & np.isfinite(w1)
         q, update, w1 = q[ok], update[ok], w1[ok]
+        # products summed by numpy, not BLAS: its threads would compete with training's
+        qq, qu = float((q * q).sum()), float((q * update).sum())
         if predictor["fit_decay"]:
-            qq, qw, ww = q @ q, q @ w1, w1 @ w1
+            qw, ww, wu = float((q * w1).sum()), float((w1 * w1).sum()), float((w1 * update).sum())
             det = qq * ww - qw * qw
-            step_size = -(ww * (q @ update) - qw * (w1 @ update)) / det if det else 0.0
-            decay = -(qq * (w1 @ update) - qw * (q @ update)) / det if det else 0.0
+            step_size = -(ww * qu - qw * wu) / det if det else 0.0
+            decay = -(qq * wu - qw * qu) / det if det else 0.0
         else:
-            step_size, decay = (-(q @ update) / (q @ q) if q.size and q @ q else 0.0), 0.0
+            step_size, decay = (-qu / qq if qq else 0.0), 0.0
     step_size, decay = float(step_size), float(decay)
     if not (math.isfinite(step_size) and step_size != 0 and math.isfinite(decay)):
         return None
