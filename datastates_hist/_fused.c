@@ -339,28 +339,26 @@ MULTIVERSION static void second_moment_f32(const uint32_t *m, const uint32_t *m1
     }
 }
 
-MULTIVERSION static void second_moment_f32_sums(const uint32_t *m, const uint32_t *m1, const uint32_t *v1,
-                                                uint32_t *out, Py_ssize_t n, double beta1, double inv1,
-                                                double beta2, double c2, const uint32_t *x, double *sq) {
+/* sum (x - b)**2 and b**2 in float64 (the update ratio against the base b) */
+MULTIVERSION static void base_sums_f32(const uint32_t *x, const uint32_t *b, Py_ssize_t n, double *sq) {
     double diff_sq[LANES] = {0}, base_sq[LANES] = {0};
     Py_ssize_t i = 0, tail = n - n % LANES;
     for (; i < tail; i += LANES)
         for (int k = 0; k < LANES; k++) {
-            double d = (double)as_f32(x[i + k]) - (double)as_f32(v1[i + k]);
+            double d = (double)as_f32(x[i + k]) - (double)as_f32(b[i + k]);
             diff_sq[k] += d * d;
-            base_sq[k] += (double)as_f32(v1[i + k]) * (double)as_f32(v1[i + k]);
+            base_sq[k] += (double)as_f32(b[i + k]) * (double)as_f32(b[i + k]);
         }
     for (; i < n; i++) {
-        double d = (double)as_f32(x[i]) - (double)as_f32(v1[i]);
+        double d = (double)as_f32(x[i]) - (double)as_f32(b[i]);
         diff_sq[0] += d * d;
-        base_sq[0] += (double)as_f32(v1[i]) * (double)as_f32(v1[i]);
+        base_sq[0] += (double)as_f32(b[i]) * (double)as_f32(b[i]);
     }
     sq[0] = sq[1] = 0;
     for (int k = 0; k < LANES; k++) {
         sq[0] += diff_sq[k];
         sq[1] += base_sq[k];
     }
-    second_moment_f32(m, m1, v1, out, n, beta1, inv1, beta2, c2);
 }
 
 /* second_moment(m, m1, v1, out, beta1, beta2, x or None) -> (diff_sq, base_sq) */
@@ -388,12 +386,8 @@ static PyObject *second_moment(PyObject *self, PyObject *args) {
         double sq[2] = {0, 0};
         double inv1 = 1.0 / (1.0 - beta1), c2 = 1.0 - beta2;
         Py_BEGIN_ALLOW_THREADS
-        if (bufs[4].buf)
-            second_moment_f32_sums(bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, len / 4, beta1, inv1,
-                                   beta2, c2, bufs[4].buf, sq);
-        else
-            second_moment_f32(bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, len / 4, beta1, inv1,
-                              beta2, c2);
+        if (bufs[4].buf) base_sums_f32(bufs[4].buf, bufs[2].buf, len / 4, sq);
+        second_moment_f32(bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, len / 4, beta1, inv1, beta2, c2);
         Py_END_ALLOW_THREADS
         result = Py_BuildValue("(dd)", sq[0], sq[1]);
     }
@@ -439,28 +433,6 @@ MULTIVERSION static void first_moment_f32(const uint32_t *w, const uint32_t *w1,
     double keep_w = 1.0 - decay, one_b1 = 1.0 - b1, one_b2 = 1.0 - b2, inv_s = 1.0 / s, inv_c = 1.0 / c;
     for (Py_ssize_t i = 0; i < n; i++) {
         FIRST_MOMENT_BODY
-    }
-}
-
-/* sum (x - b)**2 and b**2 in float64 (the update ratio against the base b) */
-MULTIVERSION static void base_sums_f32(const uint32_t *x, const uint32_t *b, Py_ssize_t n, double *sq) {
-    double diff_sq[LANES] = {0}, base_sq[LANES] = {0};
-    Py_ssize_t i = 0, tail = n - n % LANES;
-    for (; i < tail; i += LANES)
-        for (int k = 0; k < LANES; k++) {
-            double d = (double)as_f32(x[i + k]) - (double)as_f32(b[i + k]);
-            diff_sq[k] += d * d;
-            base_sq[k] += (double)as_f32(b[i + k]) * (double)as_f32(b[i + k]);
-        }
-    for (; i < n; i++) {
-        double d = (double)as_f32(x[i]) - (double)as_f32(b[i]);
-        diff_sq[0] += d * d;
-        base_sq[0] += (double)as_f32(b[i]) * (double)as_f32(b[i]);
-    }
-    sq[0] = sq[1] = 0;
-    for (int k = 0; k < LANES; k++) {
-        sq[0] += diff_sq[k];
-        sq[1] += base_sq[k];
     }
 }
 
