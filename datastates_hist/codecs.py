@@ -254,6 +254,16 @@ class Encoder:
                 self._fused_norms = None  # bfloat16, float16: numpy, which widens them
         self._finished = False
 
+    def skip_ratio(self) -> None:
+        """Compute no update ratio (:meth:`finish` returns None for it): for a delta against
+        a prediction, whose ratio is against the tensor's base instead, computed with the
+        prediction. Only before the first :meth:`add`."""
+        if self._chunks:
+            raise RuntimeError("Encoder.skip_ratio called after add")
+        self._norms = None
+        if self._fused_norms:
+            self._fused_norms = 0
+
     def add(self, piece: np.ndarray, base: np.ndarray | None, base2: np.ndarray | None = None,
             keep: np.ndarray | None = None) -> None:
         """Encode the next consecutive byte range of the tensor (``base``, ``base2``: the

@@ -90,6 +90,8 @@ class Encoding:
         base2 = None if self.base2 is None else self.base2.data[self.pos:end]
         keep = None if self.data is None else self.data[self.pos:end]
         if p is not None:  # the prediction replaces the base (base2 is None)
+            if self.pos == 0:  # the update ratio is against the base: computed with the prediction
+                self.encoder.skip_ratio()
             if p.scratch is None or p.scratch.size < piece.size:
                 p.scratch = np.empty(piece.size, np.uint8)
             predicted = p.scratch[:piece.size]
