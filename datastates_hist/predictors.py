@@ -42,7 +42,9 @@ ADAM_FIRST_MOMENT = "adam_first_moment"
 KINDS = (ADAM_SECOND_MOMENT, ADAM_FIRST_MOMENT)
 DTYPES = ("float32",)
 BLOCK = 1 << 16  # elements per numpy pass: the passes stay in the CPU cache
-FIT_ELEMENTS = 1 << 15  # the first moment's step size and decay are fitted on this many
+# the first moment's step size and decay are fitted on this many elements, spread evenly over
+# the first piece (the GPT small's ratio is the same as with 32 Ki, and the fit 4x cheaper)
+FIT_ELEMENTS = 1 << 13
 
 _FLOAT32_MIN = 2.0 ** -126
 # the keys of each kind's record, and which of them name tensors: (key, at this step)
@@ -207,10 +209,14 @@ def predict(predictor: dict, values: list[np.ndarray], base: np.ndarray, out: np
 def fitted(predictor: dict, w: np.ndarray, w1: np.ndarray, m: np.ndarray, m1: np.ndarray,
            v1: np.ndarray) -> dict | None:
     """A first moment's predictor completed with the ``step_size`` (and ``decay``) that fit
-    the weights' update best (least squares on the first :data:`FIT_ELEMENTS`, against
-    the second moment as predicted from ``m``); None when nothing fits (no update)."""
-    n = min(min(a.size for a in (w, w1, m, m1, v1)) // 4, FIT_ELEMENTS) * 4
-    w, w1, m, m1, v1 = (a[:n].view(np.float32).astype(np.float64) for a in (w, w1, m, m1, v1))
+    the weights' update best (least squares on :data:`FIT_ELEMENTS` elements spread evenly
+    over the range ``m`` covers, against the second moment as predicted from ``m``); None
+    when nothing fits (no update). Spread, not the first ones: an embedding's first rows
+    may be tokens that no batch holds."""
+    n = min(a.size for a in (w, w1, m, m1, v1)) // 4
+    stride = max(1, n // FIT_ELEMENTS)
+    w, w1, m, m1, v1 = (a[:n * 4].view(np.float32)[::stride][:FIT_ELEMENTS].astype(np.float64)
+                        for a in (w, w1, m, m1, v1))
     b1, b2 = predictor["beta1"], predictor["beta2"]
     with np.errstate(all="ignore"):
         g = (m - b1 * m1) / (1.0 - b1)

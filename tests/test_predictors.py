@@ -158,6 +158,28 @@ def test_adamw_moments_store_little_more_than_rounding(tmp_path):
             assert rec.update_ratio == pytest.approx(float((x - base).norm() / base.norm()), rel=1e-9)
 
 
+def test_an_embedding_whose_first_rows_no_batch_holds_is_predicted(tmp_path):
+    """Adam without decay leaves the rows of tokens never looked up where they were, with
+    zero moments: no update to fit there. The fit samples the whole piece, so the rows
+    that do change give it the step size (fitted on the first 32 Ki elements, this
+    embedding's first moment was stored against its own extrapolation instead)."""
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(4096, 16)  # rows 0..3583 (57 Ki elements) never looked up
+    opt = torch.optim.Adam(embedding.parameters())
+    run_dir = str(tmp_path / "run")
+    with dh.Checkpointer(run_dir) as ckpt:
+        for step in range(4):
+            opt.zero_grad()
+            embedding(torch.randint(3584, 4096, (64,))).pow(2).mean().backward()
+            opt.step()
+            ckpt.write(step, embedding, opt)
+    first = step_records(run_dir, 3)["optim/state/weight/exp_avg"]
+    assert first.predictor is not None and first.predictor["kind"] == "adam_first_moment"
+    assert first.predictor["decay"] == 0.0 and first.predictor["step_size"] != 0.0
+    with dh.open(run_dir) as h:
+        assert torch.equal(h.read("optim/state/weight/exp_avg", 3), opt.state[embedding.weight]["exp_avg"])
+
+
 @pytest.mark.parametrize("make", [lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
                                   lambda p: torch.optim.Adagrad(p)], ids=["SGD", "Adagrad"])
 def test_other_optimizers_are_not_predicted(tmp_path, make):

@@ -168,14 +168,20 @@ def _predicted(predictor, x, values, base) -> tuple[int, float, float]:
     if "fit_decay" in predictor:  # a first moment: fitted as the writer fits it
         predictor = predictors.fitted(predictor, values[0], values[1], x, base, values[2])
     predicted = np.empty(x.size, np.uint8)
-    predictors.predict(predictor, values, base, predicted, x=x)
+    if predictor is None:  # nothing to fit: a delta against the base, as the writer's fallback (one base here)
+        predicted[:] = base
+    else:
+        predictors.predict(predictor, values, base, predicted, x=x)
     encoder = codecs.Encoder("float32", delta=True)
     encoder.add(x, predicted)
     blob, chunks, _ = encoder.finish()
     encode = time.perf_counter() - start
     out, again = np.empty(x.size, np.uint8), np.empty(x.size, np.uint8)
     start = time.perf_counter()
-    predictors.predict(predictor, values, base, again)
+    if predictor is None:
+        again[:] = base
+    else:
+        predictors.predict(predictor, values, base, again)
     codecs.decode(blob, chunks, 4, out, again)
     decode = time.perf_counter() - start
     assert np.array_equal(out, x), "round trip differs"
