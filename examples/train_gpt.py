@@ -15,9 +15,14 @@ import os
 import sys
 import time
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+# Training on every core with a checkpointer working beside it: OpenMP threads that sleep when
+# idle instead of spinning leave the checkpointer the CPU it needs (docs/performance.md, "Idle
+# OpenMP threads"). libgomp reads this when torch loads it, so it is set before the import.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 # Let the example run from a source checkout without installing the package.
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

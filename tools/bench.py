@@ -527,6 +527,9 @@ def main() -> None:
     p.add_argument("--slow-cache-mb", type=int, default=128,
                    help="host cache of the slow section (default: %(default)s)")
     p.add_argument("--figure", metavar="PNG", help="draw the end-to-end step times here")
+    p.add_argument("--omp-wait-policy", choices=["passive", "active"],
+                   help="OMP_WAIT_POLICY of the training processes (default: the environment's; "
+                        "docs/performance.md, 'Idle OpenMP threads')")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--child", nargs=3, metavar=("SECTION", "CONFIG", "TARGET"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -547,7 +550,10 @@ def main() -> None:
     targets = args.targets.split(",")
     backends = [b for b in args.backends.split(",") if b]
     sections = args.sections.split(",")
-    report: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+    if args.omp_wait_policy:  # read by libgomp when torch loads it: set for the child processes
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
+    report: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
+                                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}}
     for size in args.sizes.split(","):
         args.size = size
         if "e2e" in sections:
@@ -565,6 +571,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=1))
     else:
+        machine = report["machine"]
+        print(f"{machine['cpus']} CPUs, Python {machine['python']}, OMP_WAIT_POLICY {machine['omp_wait_policy']}")
         for title, rows in report.items():
             if title != "machine":
                 print_table(title, rows)
