@@ -161,28 +161,29 @@ def codec_rows(states: list[dict], keep_bits: int) -> list[tuple]:
     return rows
 
 
+def _prediction(predictor, values, base, x=None) -> np.ndarray:
+    """``predictor``'s prediction, or with None (nothing fitted) the base itself: the writer
+    then falls back to a delta against the base (its own, with the base's base beside it)."""
+    if predictor is None:
+        return base
+    predicted = np.empty(base.size, np.uint8)
+    predictors.predict(predictor, values, base, predicted, x=x)
+    return predicted
+
+
 def _predicted(predictor, x, values, base) -> tuple[int, float, float]:
     """Encode ``x`` as a delta against ``predictor``'s prediction, decode it back (checked):
     (stored bytes, encode seconds, decode seconds)."""
     start = time.perf_counter()
     if "fit_decay" in predictor:  # a first moment: fitted as the writer fits it
         predictor = predictors.fitted(predictor, values[0], values[1], x, base, values[2])
-    predicted = np.empty(x.size, np.uint8)
-    if predictor is None:  # nothing to fit: a delta against the base, as the writer's fallback (one base here)
-        predicted[:] = base
-    else:
-        predictors.predict(predictor, values, base, predicted, x=x)
     encoder = codecs.Encoder("float32", delta=True)
-    encoder.add(x, predicted)
+    encoder.add(x, _prediction(predictor, values, base, x))
     blob, chunks, _ = encoder.finish()
     encode = time.perf_counter() - start
-    out, again = np.empty(x.size, np.uint8), np.empty(x.size, np.uint8)
+    out = np.empty(x.size, np.uint8)
     start = time.perf_counter()
-    if predictor is None:
-        again[:] = base
-    else:
-        predictors.predict(predictor, values, base, again)
-    codecs.decode(blob, chunks, 4, out, again)
+    codecs.decode(blob, chunks, 4, out, _prediction(predictor, values, base))
     decode = time.perf_counter() - start
     assert np.array_equal(out, x), "round trip differs"
     return blob.size, encode, decode
