@@ -300,6 +300,74 @@ done:
     return result;
 }
 
+/* A residual's elements grouped by the biased exponent of the prediction's element (the
+ * delta codec's grouped chunks, datastates_hist.codecs): a stable counting sort by
+ * (key[i] >> shift) & (2**bits - 1). A difference of bit patterns scales with the ulp of
+ * the value, so elements of one exponent have residuals of one size: grouped, zstd's
+ * blocks each see one size. Forward: dst[next[g]++] = src[i]; inverse: dst[i] =
+ * src[next[g]++]. */
+#define MAX_GROUP_BITS 11 /* float64's exponent */
+#define GROUP(NAME, U)                                                                  \
+MULTIVERSION static void NAME(const U *src, const U *key, U *dst, Py_ssize_t n, int shift, \
+                              int bits, int inverse, Py_ssize_t *next) {                \
+    Py_ssize_t groups = (Py_ssize_t)1 << bits, at = 0;                                  \
+    U mask = (U)(groups - 1);                                                           \
+    memset(next, 0, (size_t)groups * sizeof *next);                                     \
+    for (Py_ssize_t i = 0; i < n; i++) next[(key[i] >> shift) & mask]++;                \
+    for (Py_ssize_t g = 0; g < groups; g++) { Py_ssize_t c = next[g]; next[g] = at; at += c; } \
+    if (inverse)                                                                        \
+        for (Py_ssize_t i = 0; i < n; i++) dst[i] = src[next[(key[i] >> shift) & mask]++]; \
+    else                                                                                \
+        for (Py_ssize_t i = 0; i < n; i++) dst[next[(key[i] >> shift) & mask]++] = src[i]; \
+}
+
+GROUP(group_u16, uint16_t)
+GROUP(group_u32, uint32_t)
+GROUP(group_u64, uint64_t)
+
+/* group(src, key, dst, itemsize, shift, bits, inverse) -> None */
+static PyObject *group(PyObject *self, PyObject *args) {
+    PyObject *objs[3];
+    Py_buffer bufs[3] = {{0}};
+    int itemsize, shift, bits, inverse;
+    if (!PyArg_ParseTuple(args, "OOOiiip", &objs[0], &objs[1], &objs[2], &itemsize, &shift, &bits, &inverse))
+        return NULL;
+    PyObject *result = NULL;
+    int got = 0;
+    for (; got < 3; got++) {
+        int flags = got == 2 ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS;
+        if (PyObject_GetBuffer(objs[got], &bufs[got], flags) < 0) goto done;
+    }
+    Py_ssize_t len = bufs[0].len;
+    if ((itemsize != 2 && itemsize != 4 && itemsize != 8) || len % itemsize) {
+        PyErr_SetString(PyExc_ValueError, "group needs whole elements of 2, 4 or 8 bytes");
+    } else if (bufs[1].len != len || bufs[2].len != len) {
+        PyErr_SetString(PyExc_ValueError, "group: the buffers differ in size");
+    } else if (bits < 1 || bits > MAX_GROUP_BITS || shift < 0 || shift + bits > 8 * itemsize) {
+        PyErr_SetString(PyExc_ValueError, "group: the key's bits must lie within the element");
+    } else if (bufs[0].buf == bufs[2].buf) {
+        PyErr_SetString(PyExc_ValueError, "group: the destination must not be the source");
+    } else {
+        Py_ssize_t next[1 << MAX_GROUP_BITS];
+        Py_ssize_t n = len / itemsize;
+        const void *src = bufs[0].buf, *key = bufs[1].buf;
+        void *dst = bufs[2].buf;
+        Py_BEGIN_ALLOW_THREADS
+        switch (itemsize) {
+        case 2: group_u16(src, key, dst, n, shift, bits, inverse, next); break;
+        case 4: group_u32(src, key, dst, n, shift, bits, inverse, next); break;
+        default: group_u64(src, key, dst, n, shift, bits, inverse, next); break;
+        }
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+done:
+    for (int k = 0; k < got && k < 3; k++)
+        if (bufs[k].buf) PyBuffer_Release(&bufs[k]);
+    return result;
+}
+
 /* The prediction of Adam's second moment v from the same step's first moment m and the
  * previous step's m1 and v1 (datastates_hist.predictors): the gradient g = (m - beta1*m1)
  * * inv1 (inv1 = 1/(1 - beta1)), and p = beta2*v1 + c2*(g*g) (c2 = 1 - beta2), in float64,
@@ -486,6 +554,10 @@ static PyMethodDef methods[] = {
     {"unresidual", unresidual, METH_VARARGS,
      "unresidual(z, b1, b2, itemsize, shift): in place, z = (unzigzag(z) << shift) + prediction "
      "of unsigned itemsize-byte elements (prediction b1, or 2*b1 - b2 when b2 is not None)."},
+    {"group", group, METH_VARARGS,
+     "group(src, key, dst, itemsize, shift, bits, inverse): dst = src's elements of unsigned itemsize "
+     "bytes in a stable order by (key >> shift) & (2**bits - 1) of key's same elements; with inverse, "
+     "the order undone (dst must not be src)."},
     {"second_moment", second_moment, METH_VARARGS,
      "second_moment(m, m1, v1, out, beta1, beta2, x) -> (diff_sq, base_sq): out = Adam's second "
      "moment predicted from the first moments m (this step) and m1 (the previous) and the second "

@@ -22,7 +22,7 @@ from .errors import CorruptionError, FormatError, StoreNotFoundError
 from .items import TensorRecord, is_distribution
 from .layout import INDEX_FILE, PARTIAL, RANKS_SUFFIX, entry_path, finished_units, index_path, step_stem, steps_dir
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

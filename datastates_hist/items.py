@@ -305,11 +305,12 @@ class TensorRecord:
             raise ValueError(f"tensor {name!r} has the bases {self.base!r} and {self.base2!r}: a second base "
                              "must be a step before the first")
         if not indexed:
-            from .codecs import check_chunks
+            from .codecs import GROUP_KEYS, check_chunks
 
             try:
                 check_chunks(self.chunks, self.nbytes, self.stored, itemsize,
-                             shifts=self.encoding == DELTA and bool(self.dropped_bits))
+                             shifts=self.encoding == DELTA and bool(self.dropped_bits),
+                             groups=self.encoding == DELTA and self.dtype in GROUP_KEYS)
             except ValueError as exc:
                 raise ValueError(f"tensor {name!r}: {exc}") from None
 

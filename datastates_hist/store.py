@@ -450,7 +450,7 @@ class StepData:
                 predictors.predict(rec.predictor, bases[1:], bases[0], predicted)
                 bases = [predicted]
             decode(blob, rec.chunks, storage_dtype(torch_dtype(rec.dtype)).itemsize, out, *bases,
-                   drop=rec.dropped_bits)
+                   drop=rec.dropped_bits, dtype=rec.dtype)
         except ValueError as exc:
             raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} cannot be "
                                   f"decoded: {exc}: the stored data is damaged") from None

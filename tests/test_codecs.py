@@ -65,7 +65,7 @@ def _encode(data: np.ndarray, dtype: str, base: np.ndarray | None, piece_element
 
 def _decoded(blob, chunks, dtype, nbytes, base=None):
     out = np.empty(nbytes, np.uint8)
-    decode(blob, chunks, torch_dtype(dtype).itemsize, out, base)
+    decode(blob, chunks, torch_dtype(dtype).itemsize, out, base, dtype=dtype)
     return out
 
 
@@ -101,7 +101,8 @@ def test_a_tensor_larger_than_a_chunk_is_cut_into_chunks_within_each_piece():
     for delta_base in (None, base):
         blob, chunks, _ = _encode(data, "float32", delta_base, [first // 4])
         assert [c[0] for c in chunks] == [CHUNK_BYTES, 12, data.size - first]
-        assert [c[2] for c in chunks] == [0, 1, 0]  # 12 bytes do not shrink
+        # 12 bytes do not shrink; a delta's chunks are grouped (flag 4)
+        assert [c[2] for c in chunks] == ([0, 1, 0] if delta_base is None else [4, 5, 4])
         assert np.array_equal(_decoded(blob, chunks, "float32", data.size, delta_base), data)
 
 
@@ -112,7 +113,7 @@ def test_an_empty_tensor_has_no_chunks_and_decodes():
         encoder.add(empty, base)
         blob, chunks, ratio = encoder.finish()
         assert (blob.size, chunks, ratio) == (0, [], None)
-        decode(blob, chunks, 4, np.empty(0, np.uint8), base)
+        decode(blob, chunks, 4, np.empty(0, np.uint8), base, dtype="float32")
     blob, chunks, ratio = Encoder("int64", delta=False).finish()
     assert (blob.size, chunks, ratio) == (0, [], None)
 
@@ -122,7 +123,8 @@ def test_one_element_round_trips(dtype):
     data, base = _stored(CURRENT[:1], dtype), _stored(PREVIOUS[:1], dtype)
     for delta_base in (None, base):
         blob, chunks, _ = _encode(data, dtype, delta_base, [])
-        assert chunks == [[data.size, data.size, 1]]  # too small to shrink: stored raw
+        grouped = codecs.GROUPED if delta_base is not None and dtype == "float32" else 0
+        assert chunks == [[data.size, data.size, 1 | grouped]]  # too small to shrink: stored raw
         assert np.array_equal(_decoded(blob, chunks, dtype, data.size, delta_base), data)
 
 
@@ -407,7 +409,7 @@ def test_encoding_and_decoding_release_the_gil(monkeypatch):
             encoder.add(data, base if delta else None)
             encoded[delta] = encoder.finish()
             blob, chunks, _ = encoded[delta]
-            decode(blob, chunks, 4, out, base if delta else None)
+            decode(blob, chunks, 4, out, base if delta else None, dtype="float32")
             assert np.array_equal(out, data)
         before = count[0]
         count_in_held()
@@ -439,16 +441,73 @@ def test_the_residual_is_the_zigzag_of_the_difference_from_the_extrapolation(dty
     encoder = Encoder(dtype, delta=True)
     encoder.add(x.view(np.uint8), b1.view(np.uint8), b2.view(np.uint8))
     blob, chunks, _ = encoder.finish()
-    assert len(chunks) == 1
+    assert len(chunks) == 1  # grouped for floats: b1's exponents are all 0, so in the same order
     residual = np.empty(x.nbytes, np.uint8)
-    if chunks[0][2] == STORED_RAW:
+    if chunks[0][2] & STORED_RAW:
         residual[:] = blob
     else:
         blosc2.decompress2(blob.tobytes(), dst=residual)
     assert residual.view(np_type).tolist() == expected.tolist()
     out = np.empty(x.nbytes, np.uint8)
-    decode(blob, chunks, x.itemsize, out, b1.view(np.uint8), b2.view(np.uint8))
+    decode(blob, chunks, x.itemsize, out, b1.view(np.uint8), b2.view(np.uint8), dtype=dtype)
     assert out.view(np_type).tolist() == x.tolist()
+
+
+# the biased exponent of each float dtype's bit pattern (docs/format.md section 6), as (shift, bits)
+EXPONENT_FIELDS = {"float32": (23, 8), "float64": (52, 11), "bfloat16": (7, 8), "float16": (10, 5)}
+
+
+@pytest.mark.parametrize("dtype", sorted(EXPONENT_FIELDS))
+def test_a_float_delta_is_stored_grouped_by_the_exponent_of_its_base(dtype):
+    """docs/format.md section 6, grouped chunks: the stored residual is the zigzag residual
+    in a stable order by the biased exponent of x1's element; it decodes back exactly."""
+    previous, current = _stored(PREVIOUS, dtype), _stored(CURRENT, dtype)
+    unsigned = {2: np.uint16, 4: np.uint32, 8: np.uint64}[torch_dtype(dtype).itemsize]
+    stored = {}
+    for grouped in (True, False):
+        encoder = Encoder(dtype, delta=True, grouped=grouped)
+        encoder.add(current, previous)
+        blob, chunks, _ = encoder.finish()
+        assert [c[2] for c in chunks] == [codecs.GROUPED if grouped else 0]
+        residual = np.empty(current.size, np.uint8)
+        blosc2.decompress2(blob.tobytes(), dst=residual)
+        stored[grouped] = residual.view(unsigned), blob.size
+        out = np.empty(current.size, np.uint8)
+        decode(blob, chunks, torch_dtype(dtype).itemsize, out, previous, dtype=dtype)  # an ungrouped one: version 4
+        assert np.array_equal(out, current)
+    shift, bits = EXPONENT_FIELDS[dtype]
+    exponents = (previous.view(unsigned) >> unsigned(shift)) & unsigned((1 << bits) - 1)
+    assert len(np.unique(exponents)) > 3  # the order is not trivial
+    order = np.argsort(exponents, kind="stable")
+    assert np.array_equal(stored[True][0], stored[False][0][order])
+    if dtype in ("float32", "float64"):  # Adam's weights: grouped is smaller
+        assert stored[True][1] < stored[False][1], (stored[True][1], stored[False][1])
+
+
+def test_a_grouped_chunk_is_refused_where_no_float_delta_is():
+    previous, current = _stored(PREVIOUS, "float32"), _stored(CURRENT, "float32")
+    encoder = Encoder("float32", delta=True)
+    encoder.add(current, previous)
+    blob, chunks, _ = encoder.finish()
+    out = np.empty(current.size, np.uint8)
+    for base, dtype in ((previous, None), (previous, "int32"), (None, "float32")):
+        with pytest.raises(ValueError, match=r"^chunk 0: flag must be 0 \(compressed\) or 1 \(stored raw\), got 4$"):
+            decode(blob, chunks, 4, out, base, dtype=dtype)
+    with pytest.raises(ValueError, match=r"^a float64 delta of 4-byte elements$"):
+        decode(blob, chunks, 4, out, previous, dtype="float64")
+
+
+def test_the_grouping_kernel_checks_its_buffers():
+    fused = codecs._fused
+    if fused is None:
+        pytest.skip("the C kernel is not built")
+    a, b = np.zeros(16, np.uint8), np.zeros(16, np.uint8)
+    for args, message in [((a, a[:8], b, 4, 23, 8, False), "group: the buffers differ in size"),
+                          ((a, a, a, 4, 23, 8, False), "group: the destination must not be the source"),
+                          ((a, a, b, 4, 30, 8, False), "group: the key's bits must lie within the element"),
+                          ((a, a, b, 3, 0, 8, False), "group needs whole elements of 2, 4 or 8 bytes")]:
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            fused.group(*args)
 
 
 def _rounded_steps(keep_bits: int, dtype: str = "float32"):
@@ -466,12 +525,12 @@ def test_a_delta_of_rounded_values_is_shifted_by_the_dropped_bits_and_round_trip
     drop = codecs.mantissa_bits(dtype) - keep_bits
     sizes = {}
     for d in (0, drop):
-        encoder = Encoder(dtype, delta=True, drop=d)
+        encoder = Encoder(dtype, delta=True, drop=d, grouped=False)  # a grouped delta is never shifted
         encoder.add(x, b1, b2)
         blob, chunks, _ = encoder.finish()
         assert all(bool(c[2] & codecs.SHIFTED) == bool(d) for c in chunks), chunks
         out = np.empty(x.size, np.uint8)
-        decode(blob, chunks, torch_dtype(dtype).itemsize, out, b1, b2, drop=drop)
+        decode(blob, chunks, torch_dtype(dtype).itemsize, out, b1, b2, drop=drop, dtype=dtype)
         assert np.array_equal(out, x)
         sizes[d] = blob.size
     assert sizes[drop] < sizes[0], sizes
@@ -484,28 +543,46 @@ def test_a_chunk_whose_low_bits_are_not_zero_is_stored_unshifted():
     b1 = np.tile(b1, 1 + 2 * CHUNK_BYTES // b1.size)[: 2 * CHUNK_BYTES]
     b2 = np.tile(b2, 1 + 2 * CHUNK_BYTES // b2.size)[: 2 * CHUNK_BYTES]
     x.view(np.uint32)[CHUNK_BYTES // 4 + 3] = 0x7FC00001  # a NaN with a payload in the dropped bits
-    encoder = Encoder("float32", delta=True, drop=15)
+    encoder = Encoder("float32", delta=True, drop=15, grouped=False)
     encoder.add(x, b1, b2)
     blob, chunks, _ = encoder.finish()
     assert [c[2] & codecs.SHIFTED for c in chunks] == [codecs.SHIFTED, 0]
     out = np.empty(x.size, np.uint8)
-    decode(blob, chunks, 4, out, b1, b2, drop=15)
+    decode(blob, chunks, 4, out, b1, b2, drop=15, dtype="float32")
     assert np.array_equal(out, x)
 
 
 def test_a_shifted_chunk_is_refused_where_nothing_was_rounded():
     b2, b1, x = _rounded_steps(8)
-    encoder = Encoder("float32", delta=True, drop=15)
+    encoder = Encoder("float32", delta=True, drop=15, grouped=False)
     encoder.add(x, b1, b2)
     blob, chunks, _ = encoder.finish()
+    assert chunks[0][2] == codecs.SHIFTED
     out = np.empty(x.size, np.uint8)
-    with pytest.raises(ValueError, match=r"^chunk 0: flag must be 0 \(compressed\) or 1 \(stored raw\), got 2$"):
-        decode(blob, chunks, 4, out, b1, b2)
+    with pytest.raises(ValueError, match=r"^chunk 0: flag must be 0 \(compressed\) or 1 \(stored raw\), "
+                                         r"plus 4 \(grouped\), got 2$"):
+        decode(blob, chunks, 4, out, b1, b2, dtype="float32")
     with pytest.raises(ValueError, match=r"^chunk 0: flag must be 0 \(compressed\) or 1 \(stored raw\), got 2$"):
         decode(blob, chunks, 4, out, drop=15)  # a key is never shifted
     with pytest.raises(ValueError, match=r"^chunk 0: flag must be 0 \(compressed\) or 1 \(stored raw\), "
-                                         r"plus 2 \(shifted\), got 6$"):
-        decode(blob, [[chunks[0][0], chunks[0][1], 6]], 4, out, b1, b2, drop=15)
+                                         r"plus 2 \(shifted\), plus 4 \(grouped\), got 8$"):
+        decode(blob, [[chunks[0][0], chunks[0][1], 8]], 4, out, b1, b2, drop=15, dtype="float32")
+
+
+def test_a_grouped_delta_of_rounded_values_is_not_shifted_and_round_trips():
+    """Bit-shuffled, a grouped residual's zero low bits cost no more than shifted away."""
+    b2, b1, x = _rounded_steps(8)
+    sizes = {}
+    for grouped in (True, False):
+        encoder = Encoder("float32", delta=True, drop=15, grouped=grouped)
+        encoder.add(x, b1, b2)
+        blob, chunks, _ = encoder.finish()
+        assert [c[2] for c in chunks] == [codecs.GROUPED if grouped else codecs.SHIFTED]
+        out = np.empty(x.size, np.uint8)
+        decode(blob, chunks, 4, out, b1, b2, drop=15, dtype="float32")
+        assert np.array_equal(out, x)
+        sizes[grouped] = blob.size
+    assert sizes[True] < sizes[False], sizes
 
 
 @pytest.mark.parametrize("dtype", DTYPES + ["int32", "complex128"])
@@ -543,7 +620,7 @@ def test_the_kernel_and_numpy_encode_alike_and_keep_the_piece_where_base2_was(dt
         if path == "kernel":
             monkeypatch.setattr(codecs, "_fused", fused)
         out = np.empty(current.size, np.uint8)
-        decode(blob, chunks, torch_dtype(dtype).itemsize, out, previous, older if extrapolate else None)
+        decode(blob, chunks, torch_dtype(dtype).itemsize, out, previous, older if extrapolate else None, dtype=dtype)
         assert np.array_equal(out, current), path
     if dtype in ("float32", "float64", "bfloat16", "float16"):
         assert ratio == pytest.approx(ratio_np, rel=1e-5) and ratio > 0

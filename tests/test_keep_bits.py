@@ -160,7 +160,7 @@ def test_restore_points_read_and_restore_bit_exact(run):
 
 
 def test_the_index_records_how_each_tensor_is_rounded(run):
-    assert rows(run, "SELECT value FROM meta WHERE key='format_version'") == [("4",)]
+    assert rows(run, "SELECT value FROM meta WHERE key='format_version'") == [("5",)]
     found = {(s, n): rest for s, n, *rest in rows(
         run, "SELECT step, name, keep_bits, bound, exact_checksum IS NOT NULL, low_stored > 0, part"
              " FROM tensors WHERE name LIKE 'model/%'")}

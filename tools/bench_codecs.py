@@ -84,9 +84,10 @@ def as_bytes(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
-def encode_all(tensors, bases, bases2=None, drop=0):
+def encode_all(tensors, bases, bases2=None, drop=0, grouped=True):
     """Encode each tensor (against its base when ``bases``, extrapolated from two with
-    ``bases2``; ``drop``: the mantissa bits rounding made zero, as the writer passes them);
+    ``bases2``; ``drop``: the mantissa bits rounding made zero, as the writer passes them;
+    ``grouped``: a delta's residual grouped by exponent, as the writer stores it);
     (raw, stored, seconds, encoded)."""
     raw = stored = 0
     seconds = 0.0
@@ -96,7 +97,7 @@ def encode_all(tensors, bases, bases2=None, drop=0):
         base = as_bytes(bases[i]) if bases is not None else None
         base2 = as_bytes(bases2[i]) if bases2 is not None else None
         start = time.perf_counter()
-        encoder = codecs.Encoder("float32", delta=base is not None, drop=drop)
+        encoder = codecs.Encoder("float32", delta=base is not None, drop=drop, grouped=grouped)
         encoder.add(piece, base, base2)
         blob, chunks, _ = encoder.finish()
         seconds += time.perf_counter() - start
@@ -111,7 +112,7 @@ def decode_seconds(encoded) -> float:
     for blob, chunks, piece, base, base2, drop in encoded:
         out = np.empty(piece.size, np.uint8)
         start = time.perf_counter()
-        codecs.decode(blob, chunks, 4, out, base, base2, drop=drop)
+        codecs.decode(blob, chunks, 4, out, base, base2, drop=drop, dtype="float32")
         seconds += time.perf_counter() - start
         assert np.array_equal(out, piece), "round trip differs"
     return seconds
@@ -128,17 +129,18 @@ def max_relative_error(exact: np.ndarray, rounded: np.ndarray) -> float:
 def codec_rows(states: list[dict], keep_bits: int) -> list[tuple]:
     rows = []
     for kind in KINDS:
-        for mode in ("key", "delta", "delta, 2 bases"):
+        for mode in ("key", "delta", "delta, 2 bases", "delta, 2 bases, ungrouped"):
             raw = stored = 0
             enc = dec = 0.0
             for t in range(2, len(states)):
                 bases = states[t - 1][kind] if mode != "key" else None
-                bases2 = states[t - 2][kind] if mode == "delta, 2 bases" else None
-                r, s, e, encoded = encode_all(states[t][kind], bases, bases2)
+                bases2 = states[t - 2][kind] if mode.startswith("delta, 2 bases") else None
+                r, s, e, encoded = encode_all(states[t][kind], bases, bases2, grouped="ungrouped" not in mode)
                 raw, stored, enc = raw + r, stored + s, enc + e
                 dec += decode_seconds(encoded)
             rows.append((kind, mode, stored / raw, raw / enc / 1e6, raw / dec / 1e6, ""))
     rows += predicted_rows(states, [s["step"] for s in states])
+    rows += predicted_rows(states, [s["step"] for s in states], grouped=False)
     writer = {("weights", "delta, 2 bases"), ("exp_avg", "predicted from the weights' update"),
               ("exp_avg_sq", "predicted from exp_avg")}
     ratios = [row[2] for row in rows if (row[0], row[1]) in writer]  # the three are of equal size
@@ -171,25 +173,25 @@ def _prediction(predictor, values, base, x=None) -> np.ndarray:
     return predicted
 
 
-def _predicted(predictor, x, values, base) -> tuple[int, float, float]:
+def _predicted(predictor, x, values, base, grouped=True) -> tuple[int, float, float]:
     """Encode ``x`` as a delta against ``predictor``'s prediction, decode it back (checked):
     (stored bytes, encode seconds, decode seconds)."""
     start = time.perf_counter()
     if "fit_decay" in predictor:  # a first moment: fitted as the writer fits it
         predictor = predictors.fitted(predictor, values[0], values[1], x, base, values[2])
-    encoder = codecs.Encoder("float32", delta=True)
+    encoder = codecs.Encoder("float32", delta=True, grouped=grouped)
     encoder.add(x, _prediction(predictor, values, base, x))
     blob, chunks, _ = encoder.finish()
     encode = time.perf_counter() - start
     out = np.empty(x.size, np.uint8)
     start = time.perf_counter()
-    codecs.decode(blob, chunks, 4, out, _prediction(predictor, values, base))
+    codecs.decode(blob, chunks, 4, out, _prediction(predictor, values, base), dtype="float32")
     decode = time.perf_counter() - start
     assert np.array_equal(out, x), "round trip differs"
     return blob.size, encode, decode
 
 
-def predicted_rows(states: list[dict], steps: list[int]) -> list[tuple]:
+def predicted_rows(states: list[dict], steps: list[int], grouped: bool = True) -> list[tuple]:
     """AdamW's moments as the writer stores them in consecutive restore points: exp_avg
     against its prediction from the weights' update, exp_avg_sq from exp_avg
     (datastates_hist.predictors, the example's betas; ``steps``: each tensor's AdamW step
@@ -206,12 +208,13 @@ def predicted_rows(states: list[dict], steps: list[int]) -> list[tuple]:
                 w, w1, m, m1, v, v1 = b
                 if kind == "exp_avg":
                     template = predictors.adam_first_moment("w", "v", *BETAS, EPS, steps[t], DECAYS[i])
-                    size, e, d = _predicted(template, m, [w, w1, v1], m1)
+                    size, e, d = _predicted(template, m, [w, w1, v1], m1, grouped)
                 else:
-                    size, e, d = _predicted(predictors.adam_second_moment("m", *BETAS), v, [m, m1], v1)
+                    size, e, d = _predicted(predictors.adam_second_moment("m", *BETAS), v, [m, m1], v1, grouped)
                 raw, stored, enc, dec = raw + m.size, stored + size, enc + e, dec + d
         source = "the weights' update" if kind == "exp_avg" else "exp_avg"
-        rows.append((kind, f"predicted from {source}", stored / raw, raw / enc / 1e6, raw / dec / 1e6, ""))
+        rows.append((kind, f"predicted from {source}{'' if grouped else ', ungrouped'}", stored / raw,
+                     raw / enc / 1e6, raw / dec / 1e6, ""))
     return rows
 
 
