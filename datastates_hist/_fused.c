@@ -325,6 +325,11 @@ GROUP(group_u16, uint16_t)
 GROUP(group_u32, uint32_t)
 GROUP(group_u64, uint64_t)
 
+static int overlap(const Py_buffer *a, const Py_buffer *b) {
+    const char *x = a->buf, *y = b->buf;
+    return x < y + b->len && y < x + a->len;
+}
+
 /* group(src, key, dst, itemsize, shift, bits, inverse) -> None */
 static PyObject *group(PyObject *self, PyObject *args) {
     PyObject *objs[3];
@@ -343,10 +348,10 @@ static PyObject *group(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "group needs whole elements of 2, 4 or 8 bytes");
     } else if (bufs[1].len != len || bufs[2].len != len) {
         PyErr_SetString(PyExc_ValueError, "group: the buffers differ in size");
-    } else if (bits < 1 || bits > MAX_GROUP_BITS || shift < 0 || shift + bits > 8 * itemsize) {
+    } else if (bits < 1 || bits > MAX_GROUP_BITS || shift < 0 || shift > 8 * itemsize - bits) {
         PyErr_SetString(PyExc_ValueError, "group: the key's bits must lie within the element");
-    } else if (bufs[0].buf == bufs[2].buf) {
-        PyErr_SetString(PyExc_ValueError, "group: the destination must not be the source");
+    } else if (len && (overlap(&bufs[2], &bufs[0]) || overlap(&bufs[2], &bufs[1]))) {
+        PyErr_SetString(PyExc_ValueError, "group: the destination must not overlap the source or the key");
     } else {
         Py_ssize_t next[1 << MAX_GROUP_BITS];
         Py_ssize_t n = len / itemsize;
@@ -540,6 +545,46 @@ done:
     return result;
 }
 
+/* The least-squares sums that fit a first moment's step size and decay (predictors.fitted):
+ * over elements 0, stride, 2*stride... (count of them) of float32 w, w1, m, m1, v1, the
+ * second moment v predicted from m, q = m / (sqrt(v) / bias2 + eps) and the update u = w - w1;
+ * where q, u and w1 are finite, the sums of q*q, q*u, q*w1, w1*w1 and w1*u in float64. The
+ * numpy reference sums in another order: the fitted values differ in their last bits, and
+ * only the record's values decode a tensor. */
+static PyObject *fit_sums(PyObject *self, PyObject *args) {
+    Py_buffer bufs[5] = {{0}};
+    Py_ssize_t stride, count;
+    double b1, b2, bias2, eps;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*nndddd", &bufs[0], &bufs[1], &bufs[2], &bufs[3], &bufs[4], &stride,
+                          &count, &b1, &b2, &bias2, &eps))
+        return NULL;
+    PyObject *result = NULL;
+    int fits = stride > 0 && count >= 0;
+    for (int k = 0; k < 5 && fits; k++)
+        fits = count == 0 || (bufs[k].len / 4 > (count - 1) * stride);
+    if (!fits) {
+        PyErr_SetString(PyExc_ValueError, "fit_sums: the elements lie beyond the buffers");
+    } else {
+        const float *w = bufs[0].buf, *w1 = bufs[1].buf, *m = bufs[2].buf, *m1 = bufs[3].buf, *v1 = bufs[4].buf;
+        double s[5] = {0, 0, 0, 0, 0}, inv1 = 1.0 / (1.0 - b1), c2 = 1.0 - b2;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t k = 0; k < count; k++) {
+            Py_ssize_t i = k * stride;
+            double fm = m[i], g = (fm - b1 * (double)m1[i]) * inv1;
+            double v = b2 * (double)v1[i] + c2 * g * g;
+            double q = fm / (sqrt(v) / bias2 + eps), a = w1[i], u = (double)w[i] - a;
+            if (isfinite(q) && isfinite(u) && isfinite(a)) {
+                s[0] += q * q; s[1] += q * u; s[2] += q * a; s[3] += a * a; s[4] += a * u;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        result = Py_BuildValue("(ddddd)", s[0], s[1], s[2], s[3], s[4]);
+    }
+    for (int k = 0; k < 5; k++)
+        if (bufs[k].buf) PyBuffer_Release(&bufs[k]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_stats", copy_stats, METH_VARARGS,
      "copy_stats(src, dst, itemsize) -> (sum, m2, min, max, nonfinite): copy src into dst "
@@ -558,6 +603,9 @@ static PyMethodDef methods[] = {
      "group(src, key, dst, itemsize, shift, bits, inverse): dst = src's elements of unsigned itemsize "
      "bytes in a stable order by (key >> shift) & (2**bits - 1) of key's same elements; with inverse, "
      "the order undone (dst must not be src)."},
+    {"fit_sums", fit_sums, METH_VARARGS,
+     "fit_sums(w, w1, m, m1, v1, stride, count, beta1, beta2, bias2, eps) -> (qq, qu, qw, ww, wu): the "
+     "least-squares sums of a first moment's fit over every stride-th float32 element (count of them)."},
     {"second_moment", second_moment, METH_VARARGS,
      "second_moment(m, m1, v1, out, beta1, beta2, x) -> (diff_sq, base_sq): out = Adam's second "
      "moment predicted from the first moments m (this step) and m1 (the previous) and the second "

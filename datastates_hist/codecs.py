@@ -9,8 +9,8 @@ every bit): the prediction is the base ``b1`` (one base) or the linear extrapola
 ``2*b1 - b2`` (two bases: Adam's momentum makes consecutive updates alike), and the
 residual ``x - prediction`` is zigzag-coded (small negative and positive differences
 both become small numbers, whose high bytes the shuffle gathers into runs of zeros). A
-float residual's elements are then *grouped* by the binary exponent of the prediction's
-(a stable sort the decoder repeats from the bases it has) and bit-shuffled: residuals
+float residual's elements are then *grouped* by the binary exponent of the base's ``b1``
+(a predicted delta's: its prediction's; a stable sort the decoder repeats from the bases it has) and bit-shuffled: residuals
 scale with the value's ulp, so each group holds residuals of one size. Every piece is cut into
 independently compressed chunks of at most :data:`CHUNK_BYTES`, so decoding is chunked too
 and blosc2's buffer limits never apply; a chunk that does not shrink is stored raw.
@@ -44,8 +44,8 @@ LOSSY_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 # Chunk flags in the chunk table: bit 0, stored raw (else compressed); bit 1, a delta of a
 # rounded tensor whose residual is shifted right by the bits rounding dropped (Encoder);
-# bit 2, a delta of floats whose residual's elements are grouped by their prediction's
-# exponent (Encoder).
+# bit 2, a delta of floats whose residual's elements are grouped by their base's exponent
+# (Encoder).
 COMPRESSED = 0
 STORED_RAW = 1
 SHIFTED = 2
@@ -53,7 +53,7 @@ GROUPED = 4
 
 # The biased exponent of each float dtype's bit pattern, as (shift, bits): the key a
 # grouped chunk's elements are ordered by. A difference of bit patterns scales with the
-# value's ulp, so a residual's size follows its prediction's exponent; grouped by it, each
+# value's ulp, so a residual's size follows its base's exponent; grouped by it, each
 # zstd block sees residuals of one size. Small GPT (tools/bench_codecs.py): weights' deltas
 # 0.526 -> 0.497 of the raw bytes, a restore point 0.318 -> 0.298; the grouping is a pass
 # of about 1.8 GB/s each way.
@@ -361,13 +361,13 @@ class Encoder:
             self._residual_buf = np.empty(size, np.uint8)
         return self._residual_buf[:size]
 
-    def _group(self, residual: np.ndarray, prediction: np.ndarray) -> np.ndarray:
-        """The residual's elements grouped by the exponent of the prediction's (the base's,
+    def _group(self, residual: np.ndarray, base: np.ndarray) -> np.ndarray:
+        """The residual's elements grouped by the exponent of the first base's (``b1``,
         or a predicted delta's prediction: the decoder has either before the residual)."""
         if self._grouped_buf.size < residual.size:
             self._grouped_buf = np.empty(residual.size, np.uint8)
         out = self._grouped_buf[:residual.size]
-        group(residual, prediction, out, self.dtype)
+        group(residual, base, out, self.dtype)
         return out
 
     def _add_chunk(self, chunk: np.ndarray, flags: int) -> None:

@@ -484,6 +484,29 @@ def test_a_float_delta_is_stored_grouped_by_the_exponent_of_its_base(dtype):
         assert stored[True][1] < stored[False][1], (stored[True][1], stored[False][1])
 
 
+def test_a_delta_against_two_bases_is_grouped_by_the_first_base_not_the_extrapolation():
+    """docs/format.md: the key of a delta against x1 and x2 is x1's exponent, not that of
+    the prediction 2*x1 - x2 (whose exponents here put the elements in another order)."""
+    b1 = np.array([1.0, 2.0, 4.0, 0.5, 8.0, 16.0], np.float32)
+    b2 = np.array([0.25, 8.0, 4.0, 0.5, 64.0, 16.0], np.float32)
+    x = (b1 * 1.001).astype(np.float32)
+    encoder = Encoder("float32", delta=True)
+    encoder.add(x.view(np.uint8), b1.view(np.uint8), b2.view(np.uint8))
+    blob, chunks, _ = encoder.finish()
+    assert chunks[0][2] == codecs.STORED_RAW | codecs.GROUPED  # six elements: stored as they are
+    u1, u2, ux = (a.view(np.uint32).astype(np.int64) for a in (b1, b2, x))
+    d = (ux - (2 * u1 - u2) + 2**31) % 2**32 - 2**31
+    residual = (d << 1) ^ (d >> 63)
+    exponent = lambda u: (u >> 23) & 0xFF  # noqa: E731
+    assert not np.array_equal(np.argsort(exponent(u1), kind="stable"),
+                              np.argsort(exponent((2 * u1 - u2) % 2**32), kind="stable"))
+    stored = blob.view(np.uint32).astype(np.int64)
+    assert stored.tolist() == residual[np.argsort(exponent(u1), kind="stable")].tolist()
+    out = np.empty(x.nbytes, np.uint8)
+    decode(blob, chunks, 4, out, b1.view(np.uint8), b2.view(np.uint8), dtype="float32")
+    assert np.array_equal(out, x.view(np.uint8))
+
+
 def test_a_grouped_chunk_is_refused_where_no_float_delta_is():
     previous, current = _stored(PREVIOUS, "float32"), _stored(CURRENT, "float32")
     encoder = Encoder("float32", delta=True)
@@ -503,8 +526,12 @@ def test_the_grouping_kernel_checks_its_buffers():
         pytest.skip("the C kernel is not built")
     a, b = np.zeros(16, np.uint8), np.zeros(16, np.uint8)
     for args, message in [((a, a[:8], b, 4, 23, 8, False), "group: the buffers differ in size"),
-                          ((a, a, a, 4, 23, 8, False), "group: the destination must not be the source"),
+                          ((a, b, a, 4, 23, 8, False), "group: the destination must not overlap the source or the key"),
+                          ((a[:8], b[:8], a[4:12], 4, 23, 8, False),  # a partial overlap
+                           "group: the destination must not overlap the source or the key"),
+                          ((a, b, b, 4, 23, 8, False), "group: the destination must not overlap the source or the key"),
                           ((a, a, b, 4, 30, 8, False), "group: the key's bits must lie within the element"),
+                          ((a, a, b, 4, 2**31 - 1, 1, False), "group: the key's bits must lie within the element"),
                           ((a, a, b, 3, 0, 8, False), "group needs whole elements of 2, 4 or 8 bytes")]:
         with pytest.raises(ValueError, match=f"^{message}$"):
             fused.group(*args)

@@ -80,8 +80,14 @@ def test_first_moment_kernel_and_numpy_reference_predict_the_same_bits(changes):
     assert np.array_equal(kernel, reference)
 
 
-def test_the_first_moment_is_recovered_from_the_update():
-    """An AdamW step of torch's, predicted from the weights before and after it."""
+@pytest.mark.parametrize("path", ["kernel", "numpy"])
+def test_the_first_moment_is_recovered_from_the_update(path, monkeypatch):
+    """An AdamW step of torch's, predicted from the weights before and after it (the fit's
+    sums by the C kernel and by numpy)."""
+    if path == "numpy":
+        monkeypatch.setattr(predictors, "_fused", None)
+    elif _fused is None:
+        pytest.skip("the C kernel is not built")
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(4096))
     opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -102,6 +108,26 @@ def test_the_first_moment_is_recovered_from_the_update():
     error = np.median(np.abs(out.view(np.float32) - exact) / np.abs(exact))
     assert error < 1e-3 and error < 1e-2 * np.median(np.abs(before - exact) / np.abs(exact))
     assert predictors.fitted(template, w1, w1, m, m1, v1) is None  # no update: nothing fits
+
+
+@pytest.mark.skipif(_fused is None, reason="the C kernel is not built")
+@pytest.mark.parametrize("n", [1, 5, 8191, 8192, 8193, 100_003])
+def test_the_fit_sums_of_the_kernel_and_of_numpy_agree(n):
+    """Over every stride-th element, skipping those whose values are not finite."""
+    rng = np.random.default_rng(n)
+    w1, m1 = rng.standard_normal(n).astype(np.float32), (rng.standard_normal(n) * 1e-3).astype(np.float32)
+    v1 = (np.abs(rng.standard_normal(n)) * 1e-6).astype(np.float32)
+    m = (0.9 * m1 + 1e-4 * rng.standard_normal(n)).astype(np.float32)
+    w = (w1 - 1e-3 * m / (np.sqrt(v1) + 1e-8)).astype(np.float32)
+    w[::7], v1[3::11] = np.nan, np.inf
+    arrays = [a.view(np.uint8) for a in (w, w1, m, m1, v1)]
+    stride = max(1, n // predictors.FIT_ELEMENTS)
+    count = min(predictors.FIT_ELEMENTS, -(-n // stride))
+    got = _fused.fit_sums(*arrays, stride, count, 0.9, 0.95, 0.97, 1e-8)
+    want = predictors._fit_sums(*arrays, n, stride, 0.9, 0.95, 0.97, 1e-8)
+    assert got == pytest.approx(want, rel=1e-9, abs=0)
+    with pytest.raises(ValueError, match="^fit_sums: the elements lie beyond the buffers$"):
+        _fused.fit_sums(*arrays, stride, (n - 1) // stride + 2, 0.9, 0.95, 0.97, 1e-8)  # one past the end
 
 
 def test_the_prediction_follows_adams_update():
