@@ -16,7 +16,8 @@ exp_avg_sq at 4 consecutive steps, and encodes every tensor as the flusher would
 
 Ratios are stored / raw bytes; MB/s are per core (the encoder compresses on one thread).
 ``--compare`` adds the blosc2 settings table (zstd level x shuffle) on the same data.
-``--bounds`` adds how small the weights' 2-base residuals could get: the entropy of
+``--bounds`` adds how small the weights' 2-base residuals could get (beside the writer's
+encoding and format 4's, ungrouped): the entropy of
 each byte plane (what a byte shuffle and an order-0 entropy coder can reach), the
 entropy of each residual's bit length alone and given the bit length of the previous
 update (``b1 - b2``, known to the decoder) plus its explicit bits, and two encodings
@@ -266,6 +267,9 @@ def bounds_rows(states: list[dict]) -> list[tuple[str, float]]:
     cparams = blosc2.CParams(codec=blosc2.Codec.ZSTD, clevel=codecs.CLEVEL, typesize=4, nthreads=1,
                              filters=[codecs.SHUFFLE], blocksize=codecs.CHUNK_BYTES)
 
+    bit_cparams = blosc2.CParams(codec=blosc2.Codec.ZSTD, clevel=codecs.CLEVEL, typesize=4, nthreads=1,
+                                 filters=[codecs.GROUPED_SHUFFLE], blocksize=codecs.CHUNK_BYTES)
+
     def compressed(a: np.ndarray) -> int:
         b = a.view(np.uint8)
         return min(len(blosc2.compress2(b, cparams=cparams)), b.size) if b.size else 0
@@ -273,7 +277,7 @@ def bounds_rows(states: list[dict]) -> list[tuple[str, float]]:
     def bits(a: np.ndarray) -> np.ndarray:
         return a.reshape(-1).view(np.uint32).astype(np.int64)
 
-    residuals, previous, damped, split = [], [], 0, 0
+    residuals, previous, damped, split, grouped = [], [], 0, 0, 0
     edges = (6, 9, 11, 12, 13, 14, 15, 16, 18)  # classes of the previous update's bit length
     for t in range(2, len(states)):
         for x, b1, b2 in zip(states[t]["weights"], states[t - 1]["weights"], states[t - 2]["weights"]):
@@ -281,6 +285,9 @@ def bounds_rows(states: list[dict]) -> list[tuple[str, float]]:
             r, c = _zigzag(x - (2 * b1 - b2)), _zigzag(b1 - b2)
             residuals.append(r)
             previous.append(c)
+            keyed = np.empty_like(r)  # the writer's: grouped by b1's exponent, bit-shuffled
+            codecs.group(r.view(np.uint8), b1.astype(np.uint32).view(np.uint8), keyed.view(np.uint8), "float32")
+            grouped += min(len(blosc2.compress2(keyed.view(np.uint8), cparams=bit_cparams)), keyed.nbytes)
             damped += compressed(_zigzag(x - (b1 + (((b1 - b2) * 15) >> 4))))
             for at in range(0, r.size, codecs.CHUNK_BYTES // 4):
                 rc, cc = r[at:at + codecs.CHUNK_BYTES // 4], _bit_length(c[at:at + codecs.CHUNK_BYTES // 4])
@@ -294,7 +301,8 @@ def bounds_rows(states: list[dict]) -> list[tuple[str, float]]:
     alone = _entropy(length) * r.size
     given = (_entropy(length * 64 + before) - _entropy(before)) * r.size
     return [
-        ("byte shuffle, zstd (the writer's)", sum(compressed(a) for a in residuals) * 8 / raw_bits),
+        ("grouped by b1's exponent, bit shuffle, zstd (the writer's)", grouped * 8 / raw_bits),
+        ("byte shuffle, zstd (format 4)", sum(compressed(a) for a in residuals) * 8 / raw_bits),
         ("entropy of the byte planes (order 0)", sum(_entropy(planes[:, i]) for i in range(4)) * r.size / raw_bits),
         ("bit length (order 0) + explicit bits", (alone + explicit) / raw_bits),
         ("bit length given the previous update's + explicit bits", (given + explicit) / raw_bits),
