@@ -24,6 +24,7 @@ import torch
 import datastates_hist as dh
 from datastates_hist.backends import get_backend
 from datastates_hist.backends.ranks import RankFilesWriter
+from datastates_hist.codecs import GROUPED
 from datastates_hist.commit import manifest_bytes, record_step
 from datastates_hist.digest import checksum_bytes
 from datastates_hist.dtypes import storage_torch_dtype
@@ -425,7 +426,7 @@ def encoded_weight(run_dir, step):
     finally:
         store.close()
     assert (rec["encoding"], rec["base"], rec["base2"], len(rec["chunks"]), rec["chunks"][0][2]) == (
-        "delta", 2, 1, 1, 0) and 32 < rec["stored"] < 512, rec
+        "delta", 2, 1, 1, GROUPED) and 32 < rec["stored"] < 512, rec
     return rec
 
 
