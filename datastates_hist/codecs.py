@@ -57,7 +57,7 @@ GROUPED = 4
 # zstd block sees residuals of one size. Small GPT (tools/bench_codecs.py): weights' deltas
 # 0.526 -> 0.497 of the raw bytes, a restore point 0.318 -> 0.298; the grouping is a pass
 # of about 1.8 GB/s each way.
-GROUP_KEYS = {"float32": (23, 8), "float64": (52, 11), "bfloat16": (7, 8), "float16": (10, 5)}
+# The exponent lies just above the explicit mantissa bits (_MANTISSA_BITS), below the sign.
 
 # Byte shuffle + zstd level 1: on a GPT's weights and AdamW state, level 3 is no smaller
 # and a third as fast, bit shuffle 5-13% larger (tools/bench_codecs.py --compare). One
@@ -74,6 +74,8 @@ GROUPED_SHUFFLE = blosc2.Filter.BITSHUFFLE
 _MANTISSA_BITS = {"float32": 23, "float64": 52, "bfloat16": 7, "float16": 10}
 _BITS_TYPE = {"float32": np.uint32, "float64": np.uint64, "bfloat16": np.uint16,
               "float16": np.uint16}
+GROUP_KEYS = {dtype: (bits, 8 * np.dtype(_BITS_TYPE[dtype]).itemsize - 1 - bits)
+              for dtype, bits in _MANTISSA_BITS.items()}
 
 
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -268,6 +270,8 @@ class Encoder:
     delta of values rounded to fewer mantissa bits (whose bases were rounded alike) stores
     its residual shifted right by the ``drop`` bits rounding made zero, chunk by chunk
     where they are (flag :data:`SHIFTED`): the zigzag no longer spreads the sign over them.
+    ``grouped``: a float delta's residual is stored grouped (flag :data:`GROUPED`), and then
+    never shifted.
     """
 
     def __init__(self, dtype: str, delta: bool, drop: int = 0, grouped: bool = True):

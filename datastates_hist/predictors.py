@@ -239,13 +239,12 @@ def fitted(predictor: dict, w: np.ndarray, w1: np.ndarray, m: np.ndarray, m1: np
                                              b1, b2, predictor["bias2"], predictor["eps"])
     else:
         qq, qu, qw, ww, wu = _fit_sums(w, w1, m, m1, v1, n, stride, b1, b2, predictor["bias2"], predictor["eps"])
-    with np.errstate(all="ignore"):
-        if predictor["fit_decay"]:
-            det = qq * ww - qw * qw
-            step_size = -(ww * qu - qw * wu) / det if det else 0.0
-            decay = -(qq * wu - qw * qu) / det if det else 0.0
-        else:
-            step_size, decay = (-qu / qq if qq else 0.0), 0.0
+    if predictor["fit_decay"]:  # Python floats: an overflow is inf, not an error
+        det = qq * ww - qw * qw
+        step_size = -(ww * qu - qw * wu) / det if det else 0.0
+        decay = -(qq * wu - qw * qu) / det if det else 0.0
+    else:
+        step_size, decay = (-qu / qq if qq else 0.0), 0.0
     step_size, decay = float(step_size), float(decay)
     if not (math.isfinite(step_size) and step_size != 0 and math.isfinite(decay)):
         return None
