@@ -27,27 +27,33 @@
 #define MULTIVERSION
 #endif
 
+/* Pass 1 keeps SUM_LANES sums in float64 and as many minima and maxima in T (exact: the
+ * conversion to float64 is monotonic): 32 lanes of all three spilled the accumulators to the
+ * stack, 1.3 GB/s for the whole kernel against 4.3 GB/s for a memcpy of the same tensors. */
+#define SUM_LANES 16
 #define KERNEL(NAME, T)                                                                \
 MULTIVERSION static void NAME(const T *x, T *out, Py_ssize_t n, double *res) {          \
-    double sum[LANES] = {0}, lo[LANES], hi[LANES], m2[LANES] = {0};                    \
-    Py_ssize_t i, tail = n - n % LANES, bad = 0;                                       \
-    for (int k = 0; k < LANES; k++) { lo[k] = INFINITY; hi[k] = -INFINITY; }          \
-    for (i = 0; i < tail; i += LANES)                                                  \
-        for (int k = 0; k < LANES; k++) {                                              \
-            if (out) out[i + k] = x[i + k];                                            \
-            double v = (double)x[i + k];                                               \
-            sum[k] += v;                                                               \
+    double sum[SUM_LANES] = {0}, m2[LANES] = {0};                                      \
+    T lo[SUM_LANES], hi[SUM_LANES];                                                    \
+    Py_ssize_t i, tail = n - n % SUM_LANES, bad = 0;                                   \
+    for (int k = 0; k < SUM_LANES; k++) { lo[k] = INFINITY; hi[k] = -INFINITY; }      \
+    for (i = 0; i < tail; i += SUM_LANES)                                              \
+        for (int k = 0; k < SUM_LANES; k++) {                                          \
+            T v = x[i + k];                                                            \
+            if (out) out[i + k] = v;                                                   \
+            sum[k] += (double)v;                                                       \
             lo[k] = v < lo[k] ? v : lo[k];                                             \
             hi[k] = v > hi[k] ? v : hi[k];                                             \
         }                                                                              \
     for (; i < n; i++) {                                                               \
-        if (out) out[i] = x[i];                                                        \
-        double v = (double)x[i];                                                       \
-        sum[0] += v; lo[0] = v < lo[0] ? v : lo[0]; hi[0] = v > hi[0] ? v : hi[0];     \
+        T v = x[i];                                                                    \
+        if (out) out[i] = v;                                                           \
+        sum[0] += (double)v; lo[0] = v < lo[0] ? v : lo[0]; hi[0] = v > hi[0] ? v : hi[0]; \
     }                                                                                  \
     double s = 0, l = INFINITY, h = -INFINITY, m = 0;                                  \
-    for (int k = 0; k < LANES; k++) {                                                  \
-        s += sum[k]; l = lo[k] < l ? lo[k] : l; h = hi[k] > h ? hi[k] : h;             \
+    for (int k = 0; k < SUM_LANES; k++) {                                              \
+        s += sum[k];                                                                   \
+        l = (double)lo[k] < l ? (double)lo[k] : l; h = (double)hi[k] > h ? (double)hi[k] : h; \
     }                                                                                  \
     if (isfinite(s)) { /* the deviations, from the copy if there is one (in cache) */  \
         const T *y = out ? out : x;                                                    \

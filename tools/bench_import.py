@@ -5,11 +5,14 @@ Adam state, as a training script saves them), then measures in the same run:
 ``torch.load`` of every file (the read speed of the sources: each byte read
 into memory), and the import of the same files into a new run, for each backend
 and codec. Prints MB/s of each and the ratio import / read (target >= 0.8).
-Files are read from the page cache in both (written just before). An import
-ends with the data durable on disk, so the bench also measures a durable copy
-of the same files (write, fsync): the floor of any import on this disk.
+Files are read from the page cache in both (written just before); with ``--cold``,
+from the disk: the sources' pages are dropped from the page cache
+(``posix_fadvise(DONTNEED)``) before every timing, as for checkpoints saved
+long before the import. An import ends with the data durable on disk, so the
+bench also measures a durable copy of the same files (write, fsync): the floor
+of any import on this disk.
 
-    python tools/bench_import.py [--model-mb 64] [--sources 4] [--codec raw delta]
+    python tools/bench_import.py [--model-mb 64] [--sources 4] [--codec raw delta] [--cold]
 """
 
 from __future__ import annotations
@@ -46,15 +49,31 @@ def make_sources(folder: str, model_mb: int, count: int) -> list[str]:
     return paths
 
 
-def timed(fn) -> float:
+def drop_pages(paths: list[str]) -> None:
+    """Evict ``paths`` from the page cache (written back first), so the next read is from the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def timed(fn, before=None) -> float:
+    """The wall time of ``fn``, after ``before`` (not timed)."""
+    if before is not None:
+        before()
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
 
 
-def cpu_seconds(fn) -> float:
-    """The CPU time of this process (every thread) spent in ``fn``: steadier than wall time
-    on a machine that other work shares."""
+def cpu_seconds(fn, before=None) -> float:
+    """The CPU time of this process (every thread) spent in ``fn`` (after ``before``, not
+    counted): steadier than wall time on a machine that other work shares."""
+    if before is not None:
+        before()
     def used():
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime
@@ -69,6 +88,7 @@ def main() -> None:
     p.add_argument("--sources", type=int, default=4)
     p.add_argument("--codec", nargs="+", default=["raw", "delta"])
     p.add_argument("--repeat", type=int, default=2, help="the best of this many timings of each")
+    p.add_argument("--cold", action="store_true", help="read the sources from the disk, not the page cache")
     args = p.parse_args()
     folder = tempfile.mkdtemp(prefix="bench_import_")
     try:
@@ -76,14 +96,20 @@ def main() -> None:
         nbytes = sum(os.path.getsize(p) for p in paths)
         print(f"{len(paths)} torch.save files, {nbytes / 2**20:.0f} MiB in all (model and AdamW state)")
 
+        def fresh():
+            """Before each timing: with --cold, the sources' pages dropped (not timed)."""
+            if args.cold:
+                drop_pages(paths)
+
         def read_all():
             for path in paths:
                 torch.load(path, map_location="cpu", weights_only=True)
 
-        read_s = min(timed(read_all) for _ in range(args.repeat))
-        read_cpu = min(cpu_seconds(read_all) for _ in range(args.repeat))
+        read_s = min(timed(read_all, fresh) for _ in range(args.repeat))
+        read_cpu = min(cpu_seconds(read_all, fresh) for _ in range(args.repeat))
         read_rate = nbytes / read_s / 1e6
-        print(f"torch.load (weights_only=True) of every file: {read_s:.2f} s, {read_rate:.0f} MB/s, "
+        where = "the disk" if args.cold else "the page cache"
+        print(f"torch.load (weights_only=True) of every file, from {where}: {read_s:.2f} s, {read_rate:.0f} MB/s, "
               f"{read_cpu:.2f} CPU s")
         def copy_all():
             for path in paths:
@@ -93,7 +119,7 @@ def main() -> None:
                     os.fsync(f.fileno())
                 os.remove(copy)
 
-        copy_s = min(timed(copy_all) for _ in range(args.repeat))
+        copy_s = min(timed(copy_all, fresh) for _ in range(args.repeat))
         copy_rate = nbytes / copy_s / 1e6
         print(f"durable copy (write, fsync) of every file: {copy_s:.2f} s, {copy_rate:.0f} MB/s")
         sources = find_sources(paths)
@@ -102,6 +128,7 @@ def main() -> None:
                 times, cpus = [], []
                 run = os.path.join(folder, f"run-{backend}-{codec}")
                 for _ in range(args.repeat):
+                    fresh()
                     cpus.append(cpu_seconds(lambda: times.append(
                         timed(lambda: import_sources(run, sources, backend=backend, codec=codec)))))
                     shutil.rmtree(run)
