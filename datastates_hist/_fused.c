@@ -58,7 +58,7 @@ MULTIVERSION static void NAME(const T *x, T *out, Py_ssize_t n, double *res) {  
     if (isfinite(s)) { /* the deviations, from the copy if there is one (in cache) */  \
         const T *y = out ? out : x;                                                    \
         double mean = s / (double)n;                                                   \
-        for (i = 0; i < tail; i += LANES)                                              \
+        for (i = 0; i < n - n % LANES; i += LANES)                                     \
             for (int k = 0; k < LANES; k++) {                                          \
                 double d = (double)y[i + k] - mean; m2[k] += d * d;                    \
             }                                                                          \

@@ -44,7 +44,8 @@ def test_the_kernel_is_built():
 
 @pytest.mark.parametrize("copy", [True, False])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("n", [1, 7, CHUNK, 3 * CHUNK + 5])
+# 48 and CHUNK + 19: a chunk whose length is not a multiple of either pass's lanes (16, 32)
+@pytest.mark.parametrize("n", [1, 7, 48, CHUNK, CHUNK + 19, 3 * CHUNK + 5])
 def test_statistics_match_float64_references(path, dtype, n, copy):
     rng = np.random.default_rng(n)
     src = (rng.standard_normal(n) * 3 + 1000).astype(dtype)  # mean >> std: deviations matter
