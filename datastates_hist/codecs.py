@@ -51,14 +51,6 @@ STORED_RAW = 1
 SHIFTED = 2
 GROUPED = 4
 
-# The biased exponent of each float dtype's bit pattern, as (shift, bits): the key a
-# grouped chunk's elements are ordered by. A difference of bit patterns scales with the
-# value's ulp, so a residual's size follows its base's exponent; grouped by it, each
-# zstd block sees residuals of one size. Small GPT (tools/bench_codecs.py): weights' deltas
-# 0.526 -> 0.497 of the raw bytes, a restore point 0.318 -> 0.298; the grouping is a pass
-# of about 1.8 GB/s each way.
-# The exponent lies just above the explicit mantissa bits (_MANTISSA_BITS), below the sign.
-
 # Byte shuffle + zstd level 1: on a GPT's weights and AdamW state, level 3 is no smaller
 # and a third as fast, bit shuffle 5-13% larger (tools/bench_codecs.py --compare). One
 # blosc2 block per chunk: against blosc2's own choice (256 KiB here) it encoded the small
@@ -74,6 +66,14 @@ GROUPED_SHUFFLE = blosc2.Filter.BITSHUFFLE
 _MANTISSA_BITS = {"float32": 23, "float64": 52, "bfloat16": 7, "float16": 10}
 _BITS_TYPE = {"float32": np.uint32, "float64": np.uint64, "bfloat16": np.uint16,
               "float16": np.uint16}
+
+# The biased exponent of each float dtype's bit pattern, as (shift, bits): the key a
+# grouped chunk's elements are ordered by. A difference of bit patterns scales with the
+# value's ulp, so a residual's size follows its base's exponent; grouped by it, each
+# zstd block sees residuals of one size. Small GPT (tools/bench_codecs.py): weights' deltas
+# 0.526 -> 0.497 of the raw bytes, a restore point 0.318 -> 0.298; the grouping is a pass
+# of about 1.8 GB/s each way.
+# The exponent lies just above the explicit mantissa bits, below the sign.
 GROUP_KEYS = {dtype: (bits, 8 * np.dtype(_BITS_TYPE[dtype]).itemsize - 1 - bits)
               for dtype, bits in _MANTISSA_BITS.items()}
 

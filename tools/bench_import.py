@@ -128,9 +128,8 @@ def main() -> None:
                 times, cpus = [], []
                 run = os.path.join(folder, f"run-{backend}-{codec}")
                 for _ in range(args.repeat):
-                    fresh()
                     cpus.append(cpu_seconds(lambda: times.append(
-                        timed(lambda: import_sources(run, sources, backend=backend, codec=codec)))))
+                        timed(lambda: import_sources(run, sources, backend=backend, codec=codec))), fresh))
                     shutil.rmtree(run)
                 best = min(times)
                 rate = nbytes / best / 1e6
