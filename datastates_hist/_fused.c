@@ -314,18 +314,35 @@ done:
  * blocks each see one size. Forward: dst[next[g]++] = src[i]; inverse: dst[i] =
  * src[next[g]++]. */
 #define MAX_GROUP_BITS 11 /* float64's exponent */
+/* The counting pass keeps GROUP_COUNTS interleaved sets of counters: one counter's
+ * increments form a chain through memory (a store, then a load of it), and runs of one
+ * exponent made that chain its pace. The kernel: 6-10% faster each way, the same bytes.
+ * The placing pass walks the elements in order, as a stable sort must; four segments
+ * placed side by side were no faster (the stores, not the chain, set its pace). */
+#define GROUP_COUNTS 4
 #define GROUP(NAME, U)                                                                  \
 MULTIVERSION static void NAME(const U *src, const U *key, U *dst, Py_ssize_t n, int shift, \
                               int bits, int inverse, Py_ssize_t *next) {                \
-    Py_ssize_t groups = (Py_ssize_t)1 << bits, at = 0;                                  \
+    Py_ssize_t groups = (Py_ssize_t)1 << bits, at = 0, i = 0;                           \
+    Py_ssize_t *c1 = next + groups, *c2 = c1 + groups, *c3 = c2 + groups;               \
     U mask = (U)(groups - 1);                                                           \
-    memset(next, 0, (size_t)groups * sizeof *next);                                     \
-    for (Py_ssize_t i = 0; i < n; i++) next[(key[i] >> shift) & mask]++;                \
-    for (Py_ssize_t g = 0; g < groups; g++) { Py_ssize_t c = next[g]; next[g] = at; at += c; } \
+    memset(next, 0, (size_t)(GROUP_COUNTS * groups) * sizeof *next);                    \
+    for (; i + GROUP_COUNTS <= n; i += GROUP_COUNTS) {                                  \
+        next[(key[i] >> shift) & mask]++;                                               \
+        c1[(key[i + 1] >> shift) & mask]++;                                             \
+        c2[(key[i + 2] >> shift) & mask]++;                                             \
+        c3[(key[i + 3] >> shift) & mask]++;                                             \
+    }                                                                                   \
+    for (; i < n; i++) next[(key[i] >> shift) & mask]++;                                \
+    for (Py_ssize_t g = 0; g < groups; g++) {                                           \
+        Py_ssize_t m = next[g] + c1[g] + c2[g] + c3[g];                                 \
+        next[g] = at;                                                                   \
+        at += m;                                                                        \
+    }                                                                                   \
     if (inverse)                                                                        \
-        for (Py_ssize_t i = 0; i < n; i++) dst[i] = src[next[(key[i] >> shift) & mask]++]; \
+        for (i = 0; i < n; i++) dst[i] = src[next[(key[i] >> shift) & mask]++];         \
     else                                                                                \
-        for (Py_ssize_t i = 0; i < n; i++) dst[next[(key[i] >> shift) & mask]++] = src[i]; \
+        for (i = 0; i < n; i++) dst[next[(key[i] >> shift) & mask]++] = src[i];         \
 }
 
 GROUP(group_u16, uint16_t)
@@ -360,7 +377,7 @@ static PyObject *group(PyObject *self, PyObject *args) {
     } else if (len && (overlap(&bufs[2], &bufs[0]) || overlap(&bufs[2], &bufs[1]))) {
         PyErr_SetString(PyExc_ValueError, "group: the destination must not overlap the source or the key");
     } else {
-        Py_ssize_t next[1 << MAX_GROUP_BITS];
+        Py_ssize_t next[GROUP_COUNTS << MAX_GROUP_BITS];
         Py_ssize_t n = len / itemsize;
         const void *src = bufs[0].buf, *key = bufs[1].buf;
         void *dst = bufs[2].buf;

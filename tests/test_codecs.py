@@ -537,6 +537,30 @@ def test_the_grouping_kernel_checks_its_buffers():
             fused.group(*args)
 
 
+@pytest.mark.parametrize("dtype", sorted(EXPONENT_FIELDS))
+def test_the_grouping_kernel_orders_as_a_stable_sort_at_every_length(dtype):
+    """The kernel counts in four interleaved sets of counters: every length, whole sets or
+    not, gives numpy's stable order, and the inverse undoes it."""
+    fused = codecs._fused
+    if fused is None:
+        pytest.skip("the C kernel is not built")
+    itemsize = torch_dtype(dtype).itemsize
+    unsigned = {2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
+    shift, bits = EXPONENT_FIELDS[dtype]
+    rng = np.random.default_rng(7)
+    for n in [*range(10), 1001, 1002, 1003, 65539]:
+        src = rng.integers(0, 256, n * itemsize, dtype=np.uint8)
+        # few exponents, in runs: the counters' chains the kernel interleaves
+        key = np.repeat(rng.integers(0, 256, n * itemsize // 8 + 1, dtype=np.uint8), 8)[:n * itemsize]
+        exponents = (key.view(unsigned) >> unsigned(shift)) & unsigned((1 << bits) - 1)
+        expected = src.view(unsigned)[np.argsort(exponents, kind="stable")]
+        grouped, back = np.empty_like(src), np.empty_like(src)
+        fused.group(src, key, grouped, itemsize, shift, bits, False)
+        assert np.array_equal(grouped.view(unsigned), expected), n
+        fused.group(grouped, key, back, itemsize, shift, bits, True)
+        assert np.array_equal(back, src), n
+
+
 def _rounded_steps(keep_bits: int, dtype: str = "float32"):
     """Three consecutive Adam steps of a layer's weights, rounded to ``keep_bits`` bits."""
     w = [_stored(x, dtype) for x in (_adam_weights(4)[0], PREVIOUS, CURRENT)]

@@ -9,10 +9,12 @@ Files are read from the page cache in both (written just before); with ``--cold`
 from the disk: the sources' pages are dropped from the page cache
 (``posix_fadvise(DONTNEED)``) before every timing, as for checkpoints saved
 long before the import. An import ends with the data durable on disk, so the
-bench also measures a durable copy of the same files (write, fsync): the floor
-of any import on this disk.
+bench also measures a durable copy of the same files (write, fsync) into the
+same place as the imported run: the floor of any import there. ``--into DIR``
+puts both there (default: beside the sources); ``--into /dev/shm`` takes the
+destination's write out of the timing and leaves the importer's own cost.
 
-    python tools/bench_import.py [--model-mb 64] [--sources 4] [--codec raw delta] [--cold]
+    python tools/bench_import.py [--model-mb 64] [--sources 4] [--codec raw delta] [--cold] [--into DIR]
 """
 
 from __future__ import annotations
@@ -89,8 +91,11 @@ def main() -> None:
     p.add_argument("--codec", nargs="+", default=["raw", "delta"])
     p.add_argument("--repeat", type=int, default=2, help="the best of this many timings of each")
     p.add_argument("--cold", action="store_true", help="read the sources from the disk, not the page cache")
+    p.add_argument("--into", metavar="DIR", help="where the imported runs and the durable copies go "
+                   "(default: beside the sources)")
     args = p.parse_args()
     folder = tempfile.mkdtemp(prefix="bench_import_")
+    into = tempfile.mkdtemp(prefix="bench_import_into_", dir=args.into) if args.into else folder
     try:
         paths = make_sources(folder, args.model_mb, args.sources)
         nbytes = sum(os.path.getsize(p) for p in paths)
@@ -113,7 +118,7 @@ def main() -> None:
               f"{read_cpu:.2f} CPU s")
         def copy_all():
             for path in paths:
-                copy = path + ".copy"
+                copy = os.path.join(into, os.path.basename(path) + ".copy")
                 shutil.copyfile(path, copy)
                 with open(copy, "rb+") as f:
                     os.fsync(f.fileno())
@@ -121,12 +126,12 @@ def main() -> None:
 
         copy_s = min(timed(copy_all, fresh) for _ in range(args.repeat))
         copy_rate = nbytes / copy_s / 1e6
-        print(f"durable copy (write, fsync) of every file: {copy_s:.2f} s, {copy_rate:.0f} MB/s")
+        print(f"durable copy (write, fsync) of every file into {into}: {copy_s:.2f} s, {copy_rate:.0f} MB/s")
         sources = find_sources(paths)
         for backend in ("adios2", "hdf5"):
             for codec in args.codec:
                 times, cpus = [], []
-                run = os.path.join(folder, f"run-{backend}-{codec}")
+                run = os.path.join(into, f"run-{backend}-{codec}")
                 for _ in range(args.repeat):
                     cpus.append(cpu_seconds(lambda: times.append(
                         timed(lambda: import_sources(run, sources, backend=backend, codec=codec))), fresh))
@@ -138,6 +143,7 @@ def main() -> None:
                       f"{rate / copy_rate:.2f}x the durable copy")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(into, ignore_errors=True)
 
 
 if __name__ == "__main__":
