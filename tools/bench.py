@@ -97,14 +97,23 @@ class Workload:
 
 
 def dh_options(config: str) -> tuple[str, dict]:
-    """``dh-BACKEND[-raw|-key|-history]`` -> (backend, Checkpointer options): the default codec
-    (deltas, every step kept), raw or key-only storage, or the quickstart's history policies."""
+    """``dh-BACKEND[-raw|-key|-history][-keepup]`` -> (backend, Checkpointer options): the
+    default codec (deltas, every step kept), raw or key-only storage, or the quickstart's
+    history policies; ``-keepup``: with ``keep_up=True`` (raw while the flush is behind)."""
     import datastates_hist as dh
 
-    backend, _, variant = config[3:].partition("-")
-    if variant == "history":
-        return backend, {"keep": dh.KeepLast(2) | dh.KeepEvery(1000), "trajectory": dh.Trajectory("model/*")}
-    return backend, ({"codec": variant} if variant else {})
+    backend, *variants = config[3:].split("-")
+    options = {}
+    for variant in variants:
+        if variant == "history":
+            options.update(keep=dh.KeepLast(2) | dh.KeepEvery(1000), trajectory=dh.Trajectory("model/*"))
+        elif variant == "keepup":
+            options["keep_up"] = True
+        elif variant in ("raw", "key"):
+            options["codec"] = variant
+        else:
+            raise SystemExit(f"unknown configuration {config!r}: its variants are raw, key, history, keepup")
+    return backend, options
 
 
 def write_bytes(tensors: list, path: str) -> None:
@@ -514,7 +523,8 @@ def main() -> None:
     p.add_argument("--targets", default="/dev/shm," + tempfile.gettempdir(),
                    help="directories to write to (default: %(default)s)")
     p.add_argument("--configs", default=",".join(E2E_CONFIGS),
-                   help="e2e configurations (default: all: " + ", ".join(E2E_CONFIGS) + ")")
+                   help="e2e configurations (default: all: " + ", ".join(E2E_CONFIGS) + "); any "
+                        "dh-BACKEND[-raw|-key|-history][-keepup] besides")
     p.add_argument("--backends", default="adios2,hdf5", help="of the other sections (default: %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="training steps per run (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out (default: %(default)s)")
