@@ -254,6 +254,7 @@ class StepData:
         if bases is None and self._bases is not None:  # the deltas' bases, a step at a time
             bases = self._bases.warm_bases([key for r in wanted for key in r.dependencies(self.row.step)
                                             if key[0] < self.row.step])
+        targets: set[int] = set()  # the live memories decoded into
         with ThreadPoolExecutor(DECODERS, thread_name_prefix="dh-decode") as pool:
             for batch in batches:
                 with self._as_damage("the tensors"):
@@ -270,6 +271,13 @@ class StepData:
                         given.update({(self.row.step, n): a.reshape(-1).view(np.uint8)
                                       for n, a in (*self._prefetched.items(), *decoded.items())})
                     live = self._live_destination(rec, into.get(rec.name))
+                    if live is not None and live.ctypes.data in targets:
+                        # tied weights (GPT-2's lm_head and wte): two decodes writing one
+                        # memory at once would each check the other's bytes; this one goes
+                        # to fresh memory and is copied in with the other values
+                        live = None
+                    elif live is not None:
+                        targets.add(live.ctypes.data)
                     out = self._decode_buffer(rec) if live is None else live.reshape(-1).view(np.uint8)
                     decoding.append(pool.submit(self._decode, rec, blobs.pop(rec.name), out,
                                                 self._given_bases(rec, given)))
