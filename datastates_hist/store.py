@@ -6,6 +6,7 @@ The run's layout is in :mod:`.layout`; every step's data is found through
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import math
@@ -70,6 +71,18 @@ def _encoded(encoding: str, base: int | None) -> str:
 
 class UnreadableBase(CorruptionError):
     """A delta's base cannot be read (the base's own damage says why)."""
+
+
+def _claim(spans: list[tuple[int, int]], array: np.ndarray) -> bool:
+    """Add ``array``'s bytes to ``spans`` (sorted, disjoint ``(start, end)`` addresses) unless
+    they overlap one of them; whether they were added."""
+    start = array.ctypes.data
+    end = start + array.nbytes
+    i = bisect.bisect(spans, (start, end))
+    if (i and spans[i - 1][1] > start) or (i < len(spans) and spans[i][0] < end):
+        return False
+    spans.insert(i, (start, end))
+    return True
 
 
 class StepData:
@@ -254,7 +267,7 @@ class StepData:
         if bases is None and self._bases is not None:  # the deltas' bases, a step at a time
             bases = self._bases.warm_bases([key for r in wanted for key in r.dependencies(self.row.step)
                                             if key[0] < self.row.step])
-        targets: set[int] = set()  # the live memories decoded into
+        targets: list[tuple[int, int]] = []  # the live memories decoded into: sorted, disjoint
         with ThreadPoolExecutor(DECODERS, thread_name_prefix="dh-decode") as pool:
             for batch in batches:
                 with self._as_damage("the tensors"):
@@ -271,13 +284,11 @@ class StepData:
                         given.update({(self.row.step, n): a.reshape(-1).view(np.uint8)
                                       for n, a in (*self._prefetched.items(), *decoded.items())})
                     live = self._live_destination(rec, into.get(rec.name))
-                    if live is not None and live.ctypes.data in targets:
-                        # tied weights (GPT-2's lm_head and wte): two decodes writing one
-                        # memory at once would each check the other's bytes; this one goes
-                        # to fresh memory and is copied in with the other values
+                    if live is not None and not _claim(targets, live):
+                        # memory another decode writes (GPT-2's tied lm_head and wte): two
+                        # decodes writing it at once would each check the other's bytes; this
+                        # one goes to fresh memory and is copied in with the other values
                         live = None
-                    elif live is not None:
-                        targets.add(live.ctypes.data)
                     out = self._decode_buffer(rec) if live is None else live.reshape(-1).view(np.uint8)
                     decoding.append(pool.submit(self._decode, rec, blobs.pop(rec.name), out,
                                                 self._given_bases(rec, given)))
