@@ -137,3 +137,55 @@ def test_the_bases_of_a_restore_are_read_a_step_at_a_time(run_dir, monkeypatch):
     for p, q in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"])
     assert one_by_one == [] and len(batches) <= 5 + 2, batches  # steps 0-3, then step 4's units
+
+
+class Tied(torch.nn.Module):
+    """An embedding and an output layer that share one weight, as GPT-2's wte and lm_head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens))
+
+
+@pytest.mark.parametrize("backend", ["adios2", "hdf5"])
+def test_two_records_of_one_tied_tensor_are_never_decoded_into_it_at_once(run_dir, backend, monkeypatch):
+    """A tied weight is two records restored into one tensor. Their decodes are held
+    until both run at once; neither may write memory the other writes (each checks
+    its checksum against what it wrote), and the tie is restored with the values."""
+    import threading
+
+    from datastates_hist import store
+
+    torch.manual_seed(0)
+    model = Tied()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+        for step in range(3):
+            model(torch.randint(0, 64, (8,))).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.write(step, model, opt)
+    tied = {"model/emb.weight", "model/head.weight"}
+    both_running = threading.Barrier(2, timeout=30)
+    written, decode = {}, store.StepData._decode
+
+    def held(self, rec, blob, out, bases):
+        if rec.name in tied:
+            written[rec.name] = (out.ctypes.data, out.ctypes.data + out.nbytes)
+            both_running.wait()  # a BrokenBarrierError here: the two decodes never overlapped
+        decode(self, rec, blob, out, bases)
+
+    monkeypatch.setattr(store, "DECODERS", 2)
+    monkeypatch.setattr(store.StepData, "_decode", held)
+    torch.manual_seed(1)
+    fresh = Tied()
+    with dh.Checkpointer(run_dir) as ckpt:
+        assert ckpt.restore(model=fresh, optimizer=torch.optim.Adam(fresh.parameters(), lr=1e-2)).step == 2
+    (a_start, a_end), (b_start, b_end) = written.values()
+    assert a_end <= b_start or b_end <= a_start, "two decodes wrote the same memory at once"
+    assert fresh.head.weight is fresh.emb.weight and torch.equal(fresh.emb.weight, model.emb.weight)
