@@ -58,6 +58,21 @@ def test_statistics_match_float64_references(path, dtype, n, copy):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), key
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("first", [1e6, -3e4, 1000.0])
+def test_statistics_do_not_depend_on_how_far_a_chunks_first_value_lies(path, dtype, first):
+    """The kernel sums each chunk's values less its first: an outlier there (or a value
+    equal to the mean) must not cost the deviations their precision."""
+    rng = np.random.default_rng(7)
+    src = (rng.standard_normal(3 * CHUNK) * 3 + 1000).astype(dtype)
+    src[::CHUNK] = first  # the first value of every chunk
+    d, _ = digest_of(src, torch.float32 if dtype == np.float32 else torch.float64, True)
+    got, want = d.stats(), reference(src)
+    rel = 1e-9 if path == "kernel" or dtype == np.float64 else 1e-5  # numpy sums float32 in float32
+    for key in ("norm", "mean", "std"):
+        assert got[key] == pytest.approx(want[key], rel=rel), key
+
+
 @pytest.mark.parametrize("copy", [True, False])
 def test_nan_and_infinity_are_counted(path, copy):
     src = np.arange(CHUNK + 10, dtype=np.float32)
