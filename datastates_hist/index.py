@@ -456,8 +456,13 @@ def open_existing(run_dir: str) -> "Index":
     return Index(run_dir)
 
 
+# one encoder for every row: json.dumps with options builds a new one per call, which cost
+# more than the encoding (the small GPT's 309 distributions: 3.2 -> 1.5 ms per step)
+_compact = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def _json_or_null(value) -> str | None:
-    return None if value is None else json.dumps(value, separators=(",", ":"))
+    return None if value is None else _compact(value)
 
 
 # --- the unit an index row names ------------------------------------------------------------
