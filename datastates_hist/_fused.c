@@ -96,20 +96,21 @@ MULTIVERSION static void NAME(const T *x, T *out, Py_ssize_t n, double *res, lon
     m = b - a * a / (double)n;                                                         \
     m = m > 0 ? m : 0;                                                                 \
     if (!(isfinite(a) && isfinite(b) && isfinite(s))) {                                \
+        /* the plain sum: an infinite first value would make every shifted one NaN */  \
+        double sum = 0;                                                                \
         int nan = 0;                                                                   \
         for (i = 0; i < n; i++) {                                                      \
             double v = (double)x[i];                                                   \
-            bad += !isfinite(v); nan |= isnan(v);                                      \
+            sum += v; bad += !isfinite(v); nan |= isnan(v);                            \
         }                                                                              \
+        s = sum;                                                                       \
         if (bad) { /* infinities or NaN: counted; a NaN makes min and max NaN */       \
             m = NAN;                                                                   \
             if (nan) l = h = NAN;                                                      \
-        } else { /* finite values whose shifted sums overflowed */                     \
-            double sum = 0, dev = 0;                                                   \
-            for (i = 0; i < n; i++) sum += (double)x[i];                               \
-            double mean = sum / (double)n;                                             \
+        } else { /* finite values whose shifted sums overflowed: the deviations again */ \
+            double mean = sum / (double)n, dev = 0;                                    \
             for (i = 0; i < n; i++) { double d = (double)x[i] - mean; dev += d * d; }   \
-            s = sum; m = isfinite(sum) ? dev : NAN;                                    \
+            m = isfinite(sum) ? dev : NAN;                                             \
         }                                                                              \
     }                                                                                  \
     res[0] = s; res[1] = m; res[2] = l; res[3] = h; res[4] = (double)bad;              \

@@ -86,6 +86,18 @@ def test_nan_and_infinity_are_counted(path, copy):
     assert s["nonfinite"] == 3 and math.isnan(s["min"]) and math.isnan(s["max"])
 
 
+@pytest.mark.parametrize("copy", [True, False])
+def test_an_infinite_first_value_gives_an_infinite_mean(path, copy):
+    """The kernel sums values less a chunk's first; one that is infinite must still give
+    the plain sum (inf), not the NaN of inf - inf. (One chunk: Chan's merge of two
+    infinite means is NaN on either path.)"""
+    src = np.arange(1000, dtype=np.float32)
+    src[0] = np.inf
+    d, _ = digest_of(src, torch.float32, copy)
+    s = d.stats()
+    assert s["nonfinite"] == 1 and s["mean"] == np.inf and s["max"] == np.inf and s["min"] == 1.0
+
+
 def test_constant_tensor_has_zero_std(path):
     d, _ = digest_of(np.full(2 * CHUNK + 1, 1.0, dtype=np.float32), torch.float32, True)
     assert d.stats()["std"] == 0.0 and d.stats()["mean"] == 1.0
