@@ -78,7 +78,7 @@ MULTIVERSION static void NAME(const T *x, T *out, Py_ssize_t n, double *res, lon
     for (int k = 0; k < SUM_LANES; k++) { lo[k] = INFINITY; hi[k] = -INFINITY; }      \
     for (Py_ssize_t at = 0; at < n; at += BLOCK) {                                     \
         Py_ssize_t len = n - at < BLOCK ? n - at : BLOCK;                              \
-        if (counts) {                                                                  \
+        if (counts) { /* a constant flag in each call: each is built without the other's branch */ \
             memset(t, 0, sizeof t);                                                    \
             NAME##_block(x + at, out ? out + at : NULL, len, c, s1, s2, lo, hi, t, 1); \
             for (int k = 0; k < SLOTS; k++)                                            \
