@@ -85,7 +85,8 @@ def test_disk_full_is_reported_at_the_next_call_and_writing_resumes_after_freein
             failed = int(steps[0])
             assert steps == [str(s) for s in range(failed, failed + len(steps))], str(exc)
             unit = os.path.join(run_dir, "steps", unit_name(failed, ".bp" if backend == "adios2" else ".h5"))
-            file = re.escape(unit + PARTIAL) + ("/(data|md|mmd)\\.(0|idx)" if backend == "adios2" else "")
+            # ADIOS2: a file of the step's, or the room held from its open to its close
+            file = re.escape(unit + PARTIAL) + ("/((data|md|mmd)\\.(0|idx)|closing-room)" if backend == "adios2" else "")
             what = (f"checkpoint of step {failed} in {re.escape(run_dir)} failed and was not committed"
                     if len(steps) == 1 else
                     f"checkpoints of steps {', '.join(steps)} in {re.escape(run_dir)} failed and were not "
@@ -135,6 +136,38 @@ def test_steps_that_fail_together_are_named_in_one_error_with_the_first_ones_cau
         "(committed steps are intact)")
     assert str(checkpoint_failed("/r", failed[1:])) == (
         "checkpoint of step 4 in /r failed and was not committed: OSError: [Errno 5] Input/output error")
+
+
+def test_a_step_whose_first_space_is_refused_leaves_nothing_of_its_unit(tmp_path, backend, capfd):
+    """A disk too full for even the space a step's writer takes at its open (ADIOS2: the
+    room it holds until it closes; HDF5: the file's own metadata): the error names that
+    file, no part of the unit stays, and the run writes again once there is space."""
+    with small_file_system(str(tmp_path / "small"), size="2m") as fs:
+        run_dir = os.path.join(fs, "run")
+        model = torch.nn.Linear(4, 4)
+        ckpt = dh.Checkpointer(run_dir, backend=backend)
+        ckpt.write(0, model)
+        ckpt.wait()
+        filler = os.path.join(fs, "filler")
+        with open(filler, "wb") as f:  # 16 KiB left: less than the 64 KiB either writer takes first
+            f.write(b"\0" * (free_bytes(fs) - (16 << 10)))
+        ckpt.write(1, model)
+        with pytest.raises(dh.CheckpointError) as failed:
+            ckpt.wait()
+        unit = os.path.join(run_dir, "steps", unit_name(1, ".bp" if backend == "adios2" else ".h5")) + PARTIAL
+        first = os.path.join(unit, "closing-room") if backend == "adios2" else unit
+        assert str(failed.value) == (
+            f"checkpoint of step 1 in {run_dir} failed and was not committed: OSError: [Errno 28] "
+            f"cannot reserve 65536 bytes for {first}: No space left on device; no space left on device: "
+            "free space, then write again (committed steps are intact)")
+        assert sorted(os.listdir(os.path.join(run_dir, "steps"))) == [unit_name(0, ".bp" if backend == "adios2" else ".h5")]
+        os.remove(filler)
+        ckpt.write(1, model)
+        ckpt.close()
+        with dh.open(run_dir) as h:
+            assert h.steps == [0, 1]
+        assert verify_run(run_dir) == []
+        assert_quiet(capfd.readouterr().err)
 
 
 def test_a_bp5_file_given_up_on_a_full_disk_is_closed_and_what_adios2_says_is_in_the_error(tmp_path, capfd):

@@ -343,9 +343,10 @@ class FileWriter:
 
     def _hold_room(self) -> None:
         os.makedirs(self.path, exist_ok=True)
-        fd = os.open(os.path.join(self.path, ROOM), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        room = os.path.join(self.path, ROOM)
+        fd = os.open(room, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            reserve_space(fd, 0, ROOM_BYTES, self.path)
+            reserve_space(fd, 0, ROOM_BYTES, room)
         finally:
             os.close(fd)
 

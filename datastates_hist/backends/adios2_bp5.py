@@ -55,7 +55,13 @@ class Adios2StepWriter(StagedStepWriter):
         super().__init__(final, clean=root)
         self.root = root
         self.adios = capi.Adios(comm)
-        self.file = capi.FileWriter(self.adios, self.tmp, parameters)
+        try:
+            self.file = capi.FileWriter(self.adios, self.tmp, parameters)
+        except BaseException:
+            self.adios.close()
+            if root:  # the room refused on a full disk, or ADIOS2 could not open: nothing left behind
+                self.remove()
+            raise
         self.substep = 0  # the ADIOS2 step being written
         self.blocks: dict[str, list] = {}  # name -> [[substep, start, count], ...]
         self.unwritten = False  # blocks put in this ADIOS2 step

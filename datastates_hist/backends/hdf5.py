@@ -89,6 +89,7 @@ class HDF5StepWriter(StagedStepWriter):
             self._reserve(RESERVE_MARGIN)
         except OSError:
             self.file.close()  # else left open, holding its space, until collected
+            self.remove()  # nothing of the step's is left behind
             raise
         self.file.attrs["step"] = step
         self.datasets: dict[str, tuple[h5py.h5d.DatasetID, tuple]] = {}
