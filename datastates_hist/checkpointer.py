@@ -65,12 +65,13 @@ class Checkpointer:
         key_every: a delta chain is cut by a key every this many steps, so a read
             decodes at most this many stored values of each tensor it reads (Adam's
             moments are predicted from the weights and each other: three tensors).
-        keep_up: the flush gives way to training (its thread at nice 19) and, when
-            it falls behind (later snapshots fill half the host cache), stores
-            tensors raw until it catches up, rather than let training wait for the
-            encoder (True); False, the default: always
-            encode as ``codec`` says, so the history stays small. :attr:`raw_to_keep_up`
-            counts the tensors stored raw.
+        keep_up: what the flush does when it falls behind training: None (default)
+            stores tensors raw while later snapshots fill 90% of the host cache, the
+            point where the next snapshot, and training, would wait for the encoder;
+            True stores raw from half full and runs the flush at nice 19, so it uses
+            only the CPU time training leaves (shorter steps, a larger history); False
+            always encodes as ``codec`` says, so the history is as small as it can be
+            whatever training waits. :attr:`raw_to_keep_up` counts the tensors stored raw.
     """
 
     def __init__(self, path: str | os.PathLike, *, backend: str | None = None,
@@ -78,12 +79,12 @@ class Checkpointer:
                  host_cache_bytes: int = DEFAULT_CACHE_BYTES, piece_bytes: int = DEFAULT_PIECE_BYTES,
                  refuse_nonfinite: bool = False, comm: Any = None, backend_options: dict | None = None,
                  keep: Any = None, trajectory: Any = None, codec: str = "delta",
-                 key_every: int = DEFAULT_KEY_EVERY, keep_up: bool = False):
+                 key_every: int = DEFAULT_KEY_EVERY, keep_up: bool | None = None):
         self.path = os.fspath(path)
         self.retention = Retention(check_policy(keep), check_trajectory(trajectory))
         self.codec = check_codec(codec)
-        if not isinstance(keep_up, bool):
-            raise TypeError(f"keep_up must be True or False, got {keep_up!r}")
+        if keep_up is not None and not isinstance(keep_up, bool):
+            raise TypeError(f"keep_up must be None, True or False, got {keep_up!r}")
         self.key_every = key_every_count(key_every)
         self.group = as_group(comm)
         if self.retention.trajectory is not None and self.group.size > 1:

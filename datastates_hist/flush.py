@@ -35,14 +35,17 @@ from .items import RAW, TensorRecord
 from .snapshot import Begin, End, Message, NeedSpace, PendingCheckpoint, Piece, Pieces, Stop
 
 
-# With ``keep_up``, the flush gives way to training: its thread runs at the lowest
-# priority (nice 19), so encoding and writing use the CPU time training leaves, and when
-# it falls behind (the cache more than this full) tensors are stored raw until it catches
-# up, so that on a machine with no core to spare the cost tends to that of writing the
-# bytes. Without ``keep_up`` the nice level alone only moved work to the drain at close()
-# (small GPT, 2 cores: step time -5 to -10%, step time with the drain +0 to +7%).
+# When the flush falls behind training (later snapshots fill the host cache past a
+# fraction of it), tensors are stored raw until it catches up: an encoder slower than
+# training then costs what writing the bytes costs, not a wait at every step.
+# ``keep_up=None`` (the default) switches only when the cache is nearly full, the moment
+# before the next snapshot, and training with it, would wait; ``keep_up=True`` switches at
+# half and also runs the flush at the lowest priority (nice 19), so encoding and writing
+# use the CPU time training leaves; ``keep_up=False`` encodes however far behind. The nice
+# level alone only moved work to the drain at close() (small GPT, 2 cores: step time -5
+# to -10%, step time with the drain +0 to +7%), so it comes with ``keep_up=True`` only.
 FLUSH_NICE = 19
-BEHIND_FRACTION = 0.5
+BEHIND_FRACTION = {None: 0.9, True: 0.5}
 
 
 def _yield_cpu() -> None:
@@ -77,9 +80,10 @@ class Flusher:
     ranks agree on every step's outcome."""
 
     def __init__(self, cache: HostCache, committer, refuse_nonfinite: bool = False, key_every: int = 16,
-                 keep_up: bool = False):
+                 keep_up: bool | None = None):
         self.cache = cache
         self.keep_up = keep_up
+        self.behind_bytes = None if keep_up is False else BEHIND_FRACTION[keep_up] * cache.capacity
         self.raw_to_keep_up = 0  # tensors stored raw, not encoded, because the flush was behind
         self.refuse_nonfinite = refuse_nonfinite
         self.committer = committer
@@ -92,7 +96,7 @@ class Flusher:
         self.thread.start()
 
     def _run(self) -> None:
-        if self.keep_up:
+        if self.keep_up is True:
             _yield_cpu()
         current: _Step | None = None
         while True:
@@ -182,7 +186,7 @@ class Flusher:
     def _behind(self) -> bool:
         """Whether the flush has fallen behind training: later snapshots hold more than
         :data:`BEHIND_FRACTION` of the cache, which, once full, makes training wait."""
-        return self.keep_up and self.cache.held_bytes() > BEHIND_FRACTION * self.cache.capacity
+        return self.behind_bytes is not None and self.cache.held_bytes() > self.behind_bytes
 
     def _put(self, step: _Step, piece: Piece) -> None:
         item = step.ckpt.tensors[piece.index]

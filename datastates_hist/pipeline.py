@@ -28,7 +28,7 @@ class Pipeline:
     """Checkpoints in flight, from the snapshot to the commit."""
 
     def __init__(self, committer: Committer, cache_bytes: int, piece_bytes: int, refuse_nonfinite: bool,
-                 key_every: int, keep_up: bool = False):
+                 key_every: int, keep_up: bool | None = None):
         self.committer = committer
         self.key_every, self.keep_up = key_every, keep_up
         self.cache_bytes, self.piece_bytes = cache_bytes, piece_bytes

@@ -232,8 +232,10 @@ def train(args) -> dict:
     timed = times[1:] or times
     mean_s = sum(timed) / len(timed) if timed else 0.0
     last = end - 1 if times else start - 1
+    # tensors the flush stored raw because it had fallen far behind training (README)
+    raw = f" | {ckpt.raw_to_keep_up} tensors stored raw to keep up" if ckpt is not None and ckpt.raw_to_keep_up else ""
     print(f"done: {len(times)} steps (last {last}) | mean step {mean_s * 1e3:.1f} ms (excl. first)"
-          f" | run dir {args.run_dir if ckpt is not None else '(no checkpoints)'}")
+          f" | run dir {args.run_dir if ckpt is not None else '(no checkpoints)'}{raw}")
     return {"last_step": last, "losses": losses, "mean_step_s": mean_s, "start_step": start}
 
 

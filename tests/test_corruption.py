@@ -595,8 +595,8 @@ def damage_dataset_header(run_dir, step, name):
 
 
 def test_a_raw_base_whose_dataset_header_is_damaged_is_named(tmp_path):
-    """A delta may be against a step stored raw (``keep_up`` stores raw while the flush is
-    behind); its value read as a base names the damage of its own step."""
+    """A base read from a step stored raw (a reader decodes a delta against any stored
+    value) names the damage of its own step."""
     run_dir = str(tmp_path / "run")
     make_run(run_dir, "hdf5", codec="raw")
     damage_dataset_header(run_dir, 0, "model/0.weight")

@@ -1,5 +1,6 @@
-"""With ``keep_up=True``, a flush that has fallen behind training stores tensors raw
-until it catches up, and every step still reads back bit-exact; by default it encodes
+"""A flush that has fallen behind training stores tensors raw until it catches up
+(``keep_up=True``: from half the host cache; by default: from 90%, when training is about
+to wait), and every step still reads back bit-exact; with ``keep_up=False`` it encodes
 every tensor however far behind.
 
 The flush is held back by a backend that makes the first step's writer wait until the
@@ -44,14 +45,15 @@ def stalled(backend):
     unregister_backend(f"stalled-{backend}")
 
 
-def write_three_steps_while_the_flush_stalls(run_dir, backend, go, **options):
-    """Steps 0, 1, 2 of a model with Adam (1.5 MiB each) into a 5 MiB cache while the flush
-    of step 0 stalls, then step 3 after the flush caught up; each step's values kept."""
+def write_three_steps_while_the_flush_stalls(run_dir, backend, go, cache_bytes=5 << 20, **options):
+    """Steps 0, 1, 2 of a model with Adam (1.5 MiB each) into a cache of ``cache_bytes``
+    (5 MiB: 90% full) while the flush of step 0 stalls, then step 3 after the flush caught
+    up; each step's values kept."""
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 512)
     opt = torch.optim.Adam(model.parameters())
     written = {}
-    ckpt = dh.Checkpointer(run_dir, backend=backend, host_cache_bytes=5 << 20, **options)
+    ckpt = dh.Checkpointer(run_dir, backend=backend, host_cache_bytes=cache_bytes, **options)
     for step in range(4):
         model(torch.randn(8, 256)).square().mean().backward()
         opt.step()
@@ -59,7 +61,7 @@ def write_three_steps_while_the_flush_stalls(run_dir, backend, go, **options):
         ckpt.write(step, model, opt)
         written[step] = {"model/weight": model.weight.detach().clone(),
                          "optim/state/weight/exp_avg_sq": opt.state[model.weight]["exp_avg_sq"].clone()}
-        if step == 2:  # three snapshots in the cache (4.5 MiB of 5): the flush is behind
+        if step == 2:  # three snapshots in the cache: the flush is behind
             ckpt.wait_snapshot()
             go.set()
             ckpt.wait()  # caught up
@@ -86,10 +88,12 @@ def test_a_flush_behind_training_stores_tensors_raw_until_it_catches_up(tmp_path
         assert torch.equal(fresh.weight, written[3]["model/weight"])
 
 
-@pytest.mark.parametrize("options", [{}, {"keep_up": False}], ids=["default", "keep_up=False"])
-def test_by_default_every_tensor_is_encoded_however_far_behind(tmp_path, backend, stalled, options):
+@pytest.mark.parametrize("cache_bytes, options", [(6 << 20, {}), (19 << 18, {"keep_up": False})],
+                         ids=["default, 75% full", "keep_up=False, 95% full"])
+def test_every_tensor_is_encoded_by_default_until_the_cache_is_nearly_full_and_always_without_keep_up(
+        tmp_path, backend, stalled, cache_bytes, options):
     run_dir = str(tmp_path / "run")
-    ckpt, written = write_three_steps_while_the_flush_stalls(run_dir, *stalled, **options)
+    ckpt, written = write_three_steps_while_the_flush_stalls(run_dir, *stalled, cache_bytes, **options)
     stored = encodings(run_dir)
     assert ckpt.raw_to_keep_up == 0
     assert all(set(s.values()) <= {"key", "delta"} for s in stored.values()), stored
@@ -98,12 +102,26 @@ def test_by_default_every_tensor_is_encoded_however_far_behind(tmp_path, backend
                    for step, values in written.items() for name, value in values.items())
 
 
-def test_keep_up_must_be_a_bool(tmp_path):
-    with pytest.raises(TypeError, match=r"^keep_up must be True or False, got 'no'$"):
+def test_by_default_a_flush_behind_with_the_cache_nearly_full_stores_raw(tmp_path, backend, stalled):
+    run_dir = str(tmp_path / "run")
+    # 4.5 MiB of snapshots in 4.75 MiB: the first tensors flushed find the cache 95% full
+    ckpt, written = write_three_steps_while_the_flush_stalls(run_dir, *stalled, 19 << 18)
+    stored = encodings(run_dir)
+    raw = sum(list(s.values()).count("raw") for s in stored.values())
+    assert "raw" in stored[0].values() and ckpt.raw_to_keep_up == raw
+    assert set(stored[3].values()) <= {"key", "delta"}  # caught up: encoded again
+    with dh.open(run_dir) as h:
+        for step, values in written.items():
+            for name, value in values.items():
+                assert torch.equal(h.read(name, step), value), (step, name)
+
+
+def test_keep_up_must_be_none_or_a_bool(tmp_path):
+    with pytest.raises(TypeError, match=r"^keep_up must be None, True or False, got 'no'$"):
         dh.Checkpointer(str(tmp_path / "run"), keep_up="no")
 
 
-@pytest.mark.parametrize("keep_up, nice", [(True, 19), (False, 0)])
+@pytest.mark.parametrize("keep_up, nice", [(True, 19), (None, 0), (False, 0)])
 def test_with_keep_up_the_flush_thread_runs_at_nice_19(tmp_path, keep_up, nice):
     import os
 
