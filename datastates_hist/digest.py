@@ -118,6 +118,7 @@ class Digest:
         self.n = 0
         self.mean = 0.0
         self.m2 = 0.0
+        self.sum = 0.0  # plain: the mean of a tensor holding infinities or NaN
         self.min = math.inf
         self.max = -math.inf
         self.nonfinite = 0
@@ -194,6 +195,7 @@ class Digest:
         """Add a chunk's figures: its size, sum, sum of squared deviations from its
         mean, min, max and count of non-finite values."""
         self.nonfinite += bad
+        self.sum += total_sum
         self.n, self.mean, self.m2 = merge_moments((self.n, self.mean, self.m2), (n, total_sum / n, m2_c))
         self.min = min(self.min, lo) if not math.isnan(lo) else math.nan
         self.max = max(self.max, hi) if not math.isnan(hi) else math.nan
@@ -219,6 +221,9 @@ class Digest:
     def stats(self) -> dict[str, float]:
         if self.n == 0:
             return {"nonfinite": 0}
+        if self.nonfinite:  # merged means and deviations are NaN here: numpy's figures instead
+            return {"norm": math.nan if math.isnan(self.min) else math.inf, "min": self.min, "max": self.max,
+                    "mean": self.sum / self.n, "std": math.nan, "nonfinite": self.nonfinite}
         sumsq = self.m2 + self.n * self.mean * self.mean
         return {
             "norm": math.sqrt(sumsq) if sumsq >= 0 else math.nan,

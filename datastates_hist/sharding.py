@@ -165,8 +165,10 @@ def combine_stats(parts: list[tuple[int, dict]]) -> dict:
     total = sum(n for n, _ in parts)
     mean = sum(n * s["mean"] for n, s in parts) / total
     m2 = sum(n * s["std"] ** 2 + n * (s["mean"] - mean) ** 2 for n, s in parts)
+    nan = any(math.isnan(s["min"]) for _, s in parts)  # min() and max() would skip a NaN after a number
     return {
         "norm": math.sqrt(sum(s["norm"] ** 2 for _, s in parts)),
-        "min": min(s["min"] for _, s in parts), "max": max(s["max"] for _, s in parts),
+        "min": math.nan if nan else min(s["min"] for _, s in parts),
+        "max": math.nan if nan else max(s["max"] for _, s in parts),
         "mean": mean, "std": math.sqrt(m2 / total) if m2 >= 0 else math.nan, "nonfinite": nonfinite,
     }

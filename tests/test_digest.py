@@ -89,8 +89,7 @@ def test_nan_and_infinity_are_counted(path, copy):
 @pytest.mark.parametrize("copy", [True, False])
 def test_an_infinite_first_value_gives_an_infinite_mean(path, copy):
     """The kernel sums values less a chunk's first; one that is infinite must still give
-    the plain sum (inf), not the NaN of inf - inf. (One chunk: Chan's merge of two
-    infinite means is NaN on either path.)"""
+    the plain sum (inf), not the NaN of inf - inf."""
     src = np.arange(1000, dtype=np.float32)
     src[0] = np.inf
     d, _ = digest_of(src, torch.float32, copy)
@@ -113,3 +112,45 @@ def test_other_dtypes_are_summarised_as_their_values(path, dtype):
     got, want = d.stats(), reference(values)
     for key in ("norm", "min", "max", "mean", "std"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), key
+
+
+@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("where", [[5], [CHUNK + 5], [5, 2 * CHUNK + 1]], ids=["first chunk", "second", "both"])
+@pytest.mark.parametrize("values", [[np.inf], [-np.inf], [np.inf, -np.inf], [np.nan]], ids=str)
+def test_statistics_of_a_tensor_with_nonfinite_values_in_any_chunk_are_numpys(path, copy, where, values):
+    """Over several chunks, as over one: infinities give numpy's mean and norm (an
+    infinite one, or NaN for inf - inf), NaN gives NaN, and std is NaN (numpy's: inf - inf
+    in the deviations); merging chunks' means and deviations would make each of them NaN."""
+    src = np.linspace(-2, 3, 3 * CHUNK, dtype=np.float32)
+    for k, at in enumerate(where):
+        src[at] = values[k % len(values)]
+    d, _ = digest_of(src, torch.float32, copy)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf in numpy's reference
+        got, want = d.stats(), reference(src)
+    assert got["nonfinite"] == want["nonfinite"] == len(where)
+    for key in ("norm", "min", "max", "mean", "std"):
+        assert got[key] == want[key] or (math.isnan(got[key]) and math.isnan(want[key])), (key, got, want)
+
+
+@pytest.mark.parametrize("values", [[], [np.inf], [np.inf, -np.inf], [np.nan]], ids=str)
+@pytest.mark.parametrize("block", [0, 2])
+def test_blocks_statistics_combined_are_the_whole_tensors(values, block):
+    """A tensor written in blocks by several ranks: its statistics from its blocks' are
+    those of the whole (a NaN in any block, first or last, makes min and max NaN)."""
+    from datastates_hist.sharding import combine_stats
+
+    src = np.linspace(-2, 3, 3000, dtype=np.float32)
+    for k, v in enumerate(values):
+        src[(block * 1000 + 10 + k * 1000) % 3000] = v  # the second value in the next block
+    parts = []
+    for b in range(3):
+        d = Digest()
+        d.update(src[b * 1000:(b + 1) * 1000], torch.float32)
+        parts.append((1000, d.stats()))
+    got = combine_stats(parts)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = reference(src)
+    assert got["nonfinite"] == want["nonfinite"] == len(values)
+    for key in ("norm", "min", "max", "mean", "std"):
+        same = got[key] == pytest.approx(want[key], rel=1e-6) if np.isfinite(want[key]) else got[key] == want[key]
+        assert same or (math.isnan(got[key]) and math.isnan(want[key])), (key, got, want)
