@@ -42,6 +42,7 @@ class HostCache:
         self._head = 0  # next free byte
         self._cond = threading.Condition()
         self.waits = 0  # how often alloc had to wait for space
+        self.allocated = 0  # bytes handed out since the start (aligned): where each snapshot ends
 
     def _place(self, nbytes: int) -> int | None:
         """The offset where ``nbytes`` fit now, or None."""
@@ -76,6 +77,7 @@ class HostCache:
             region = Region(offset, nbytes, offset + aligned(nbytes))
             self._live.append(region)
             self._head = region.end
+            self.allocated += aligned(nbytes)
             return region
 
     def held_bytes(self) -> int:

@@ -35,9 +35,9 @@ from .items import RAW, TensorRecord
 from .snapshot import Begin, End, Message, NeedSpace, PendingCheckpoint, Piece, Pieces, Stop
 
 
-# When the flush falls behind training (later snapshots fill the host cache past a
-# fraction of it), tensors are stored raw until it catches up: an encoder slower than
-# training then costs what writing the bytes costs, not a wait at every step.
+# When the flush falls behind training (the host cache holds a later step's snapshot and
+# is full past a fraction of it), tensors are stored raw until it catches up: an encoder
+# slower than training then costs what writing the bytes costs, not a wait at every step.
 # ``keep_up=None`` (the default) switches only when the cache is nearly full, the moment
 # before the next snapshot, and training with it, would wait; ``keep_up=True`` switches at
 # half and also runs the flush at the lowest priority (nice 19), so encoding and writing
@@ -170,7 +170,7 @@ class Flusher:
             dtype = dtype_name(t.dtype)
             keep_bits = plan.keep_bits(item.name, dtype)
             encodes = plan.encodes(item.name)
-            if keep_bits is None and encodes and self._behind():
+            if keep_bits is None and encodes and self._behind(step.ckpt):
                 self.raw_to_keep_up += 1  # its anchor stays: the next step's delta is against that
             elif encodes or keep_bits is not None:  # a rounded value is encoded, as a key at least
                 encoding = step.encodings[index] = self.anchors.begin(
@@ -183,10 +183,15 @@ class Flusher:
         block = {} if item.global_shape is None else {"block": (item.global_shape, item.offset)}
         step.writer(index).define(item.name, storage_dtype(t.dtype), tuple(t.shape), dtype_name(t.dtype), **block)
 
-    def _behind(self) -> bool:
-        """Whether the flush has fallen behind training: later snapshots hold more than
-        :data:`BEHIND_FRACTION` of the cache, which, once full, makes training wait."""
-        return self.behind_bytes is not None and self.cache.held_bytes() > self.behind_bytes
+    def _behind(self, ckpt: PendingCheckpoint) -> bool:
+        """Whether the flush has fallen behind training: the cache holds a later step's
+        snapshot and is more than :data:`BEHIND_FRACTION` full (once full, training waits).
+        A step with no snapshot after it is encoded however full the cache: one that is
+        most of the cache fills it while the flush keeps up (and one larger than the cache
+        streams through it)."""
+        if self.behind_bytes is None or ckpt.cache_end is None or self.cache.allocated == ckpt.cache_end:
+            return False
+        return self.cache.held_bytes() > self.behind_bytes
 
     def _put(self, step: _Step, piece: Piece) -> None:
         item = step.ckpt.tensors[piece.index]

@@ -45,6 +45,7 @@ class PendingCheckpoint:
     error: BaseException | None = None
     issued: float = field(default_factory=time.time)
     plan: Any = None  # retention.StepPlan: in which unit each tensor goes, and how it is encoded
+    cache_end: int | None = None  # the cache's ``allocated`` once this snapshot was copied
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
@@ -164,6 +165,7 @@ class Snapshotter:
             except BaseException as exc:  # reported by the flusher and at the next call
                 ckpt.fail(exc)
             finally:
+                ckpt.cache_end = self.cache.allocated
                 ckpt.volatile_done.set()
                 ckpt.snapshot_done.set()
                 self.out.put(End(ckpt))

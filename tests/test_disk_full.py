@@ -138,10 +138,12 @@ def test_steps_that_fail_together_are_named_in_one_error_with_the_first_ones_cau
         "checkpoint of step 4 in /r failed and was not committed: OSError: [Errno 5] Input/output error")
 
 
-def test_a_step_whose_first_space_is_refused_leaves_nothing_of_its_unit(tmp_path, backend, capfd):
+@pytest.mark.parametrize("left", [16 << 10, 0], ids=["16 KiB left", "nothing left"])
+def test_a_step_whose_first_space_is_refused_leaves_nothing_of_its_unit(tmp_path, backend, capfd, left):
     """A disk too full for even the space a step's writer takes at its open (ADIOS2: the
-    room it holds until it closes; HDF5: the file's own metadata): the error names that
-    file, no part of the unit stays, and the run writes again once there is space."""
+    room it holds until it closes; HDF5: the file's own metadata, or, with no byte left,
+    the file itself): the error names that file, no part of the unit stays, and the run
+    writes again once there is space."""
     with small_file_system(str(tmp_path / "small"), size="2m") as fs:
         run_dir = os.path.join(fs, "run")
         model = torch.nn.Linear(4, 4)
@@ -149,16 +151,18 @@ def test_a_step_whose_first_space_is_refused_leaves_nothing_of_its_unit(tmp_path
         ckpt.write(0, model)
         ckpt.wait()
         filler = os.path.join(fs, "filler")
-        with open(filler, "wb") as f:  # 16 KiB left: less than the 64 KiB either writer takes first
-            f.write(b"\0" * (free_bytes(fs) - (16 << 10)))
+        with open(filler, "wb") as f:  # less than the 64 KiB either writer takes first
+            f.write(b"\0" * (free_bytes(fs) - left))
+        assert free_bytes(fs) == left
         ckpt.write(1, model)
         with pytest.raises(dh.CheckpointError) as failed:
             ckpt.wait()
         unit = os.path.join(run_dir, "steps", unit_name(1, ".bp" if backend == "adios2" else ".h5")) + PARTIAL
-        first = os.path.join(unit, "closing-room") if backend == "adios2" else unit
+        refused = (f"cannot reserve 65536 bytes for {unit}/closing-room" if backend == "adios2" else
+                   f"cannot create {unit}" if left == 0 else f"cannot reserve 65536 bytes for {unit}")
         assert str(failed.value) == (
             f"checkpoint of step 1 in {run_dir} failed and was not committed: OSError: [Errno 28] "
-            f"cannot reserve 65536 bytes for {first}: No space left on device; no space left on device: "
+            f"{refused}: No space left on device; no space left on device: "
             "free space, then write again (committed steps are intact)")
         assert sorted(os.listdir(os.path.join(run_dir, "steps"))) == [unit_name(0, ".bp" if backend == "adios2" else ".h5")]
         os.remove(filler)

@@ -116,6 +116,25 @@ def test_by_default_a_flush_behind_with_the_cache_nearly_full_stores_raw(tmp_pat
                 assert torch.equal(h.read(name, step), value), (step, name)
 
 
+@pytest.mark.parametrize("keep_up", [None, True])
+def test_a_step_that_fills_the_cache_alone_is_encoded(tmp_path, backend, keep_up):
+    """A flush that keeps up is not behind, however much of the cache one step fills: each
+    step (1.5 MiB) is 94% of the cache, and the loop waits for its commit."""
+    run_dir = str(tmp_path / "run")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 512)
+    opt = torch.optim.Adam(model.parameters())
+    with dh.Checkpointer(run_dir, backend=backend, host_cache_bytes=1600 << 10, keep_up=keep_up) as ckpt:
+        for step in range(4):
+            model(torch.randn(8, 256)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.write(step, model, opt)
+            ckpt.wait()
+        assert ckpt.raw_to_keep_up == 0
+    assert all(set(s.values()) <= {"key", "delta"} for s in encodings(run_dir).values())
+
+
 def test_keep_up_must_be_none_or_a_bool(tmp_path):
     with pytest.raises(TypeError, match=r"^keep_up must be None, True or False, got 'no'$"):
         dh.Checkpointer(str(tmp_path / "run"), keep_up="no")

@@ -101,7 +101,7 @@ def dh_options(config: str) -> tuple[str, dict]:
     the default codec (deltas, every step kept), raw or key-only storage, or the quickstart's
     history policies; ``-keepup``: with ``keep_up=True`` (raw from a half-full cache, the
     flush at nice 19), ``-always``: ``keep_up=False`` (encoded however far behind); the
-    default stores raw from a 90%-full cache."""
+    default stores raw from a 90%-full cache that holds a later step."""
     import datastates_hist as dh
 
     backend, *variants = config[3:].split("-")

@@ -15,6 +15,7 @@ reads a contiguous dataset of the memory's type as the byte range HDF5 reports f
 
 from __future__ import annotations
 
+import errno
 import functools
 import math
 import mmap
@@ -83,13 +84,21 @@ class HDF5StepWriter(StagedStepWriter):
 
     def __init__(self, final: str, step: int):
         super().__init__(final)
-        self.file = h5py.File(self.tmp, "w", libver="latest")
+        try:
+            self.file = h5py.File(self.tmp, "w", libver="latest")
+        except BaseException as exc:
+            self.remove()  # a disk with no byte left: nothing of the step's is left behind
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:  # not HDF5's lines of detail
+                raise OSError(errno.ENOSPC, f"cannot create {self.tmp}: {os.strerror(errno.ENOSPC)}") from None
+            raise
         self.reserved = 0
         try:
             self._reserve(RESERVE_MARGIN)
         except OSError:
-            self.file.close()  # else left open, holding its space, until collected
-            self.remove()  # nothing of the step's is left behind
+            try:
+                self.file.close()  # else left open, holding its space, until collected
+            finally:
+                self.remove()
             raise
         self.file.attrs["step"] = step
         self.datasets: dict[str, tuple[h5py.h5d.DatasetID, tuple]] = {}
