@@ -5,10 +5,10 @@ A writer process trains and checkpoints every step, either pruning as it goes
 (``prune``: steps stored as keys, so the rules alone decide what goes), or with
 retention policies (``retention``: ``keep=KeepLast(2)`` and a trajectory of the
 model's tensors, so every older restore point is demoted to a trajectory point
-on the writer's flusher thread; its model tensors are deltas). Three reader
-processes loop meanwhile: one through ``Store`` (every tensor read and its
-checksum verified), one through the CLI (``ls``, ``show``, ``verify``), one
-through ``dh.open`` and the xarray engine. Every step a reader sees must be
+on the writer's flusher thread; its model tensors are deltas, raw where the
+flush has fallen behind). Three reader processes loop meanwhile: one through
+``Store`` (every tensor read and its checksum verified), one through the CLI
+(``ls``, ``show``, ``verify``), one through ``dh.open`` and the xarray engine. Every step a reader sees must be
 complete: all tensors of a restore point, or exactly the model's of a trajectory
 point (and then the step must be a trajectory point now: demotion is one-way),
 with matching values. The only errors allowed are ``StepNotFoundError`` (or exit
