@@ -8,13 +8,14 @@ model's tensors, so every older restore point is demoted to a trajectory point
 on the writer's flusher thread; its model tensors are deltas, raw where the
 flush has fallen behind). Three reader processes loop meanwhile: one through
 ``Store`` (every tensor read and its checksum verified), one through the CLI
-(``ls``, ``show``, ``verify``), one through ``dh.open`` and the xarray engine. Every step a reader sees must be
-complete: all tensors of a restore point, or exactly the model's of a trajectory
-point (and then the step must be a trajectory point now: demotion is one-way),
-with matching values. The only errors allowed are ``StepNotFoundError`` (or exit
-code 3) for a step that pruning removed while it was being read, and then the
-step must indeed be gone; and a restore tensor that a demotion took away between
-listing and reading it, when the step is then indeed a trajectory point.
+(``ls``, ``show``, ``verify``), one through ``dh.open`` and the xarray engine.
+Every step a reader sees must be complete: all tensors of a restore point, or
+exactly the model's of a trajectory point (and then the step must be a
+trajectory point now: demotion is one-way), with matching values. The only
+errors allowed are ``StepNotFoundError`` (or exit code 3) for a step that
+pruning removed while it was being read, and then the step must indeed be gone;
+and a restore tensor that a demotion took away between listing and reading it,
+when the step is then indeed a trajectory point.
 """
 
 import json
