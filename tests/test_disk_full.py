@@ -157,14 +157,15 @@ def test_a_step_whose_first_space_is_refused_leaves_nothing_of_its_unit(tmp_path
         ckpt.write(1, model)
         with pytest.raises(dh.CheckpointError) as failed:
             ckpt.wait()
-        unit = os.path.join(run_dir, "steps", unit_name(1, ".bp" if backend == "adios2" else ".h5")) + PARTIAL
+        suffix = ".bp" if backend == "adios2" else ".h5"
+        unit = os.path.join(run_dir, "steps", unit_name(1, suffix)) + PARTIAL
         refused = (f"cannot reserve 65536 bytes for {unit}/closing-room" if backend == "adios2" else
                    f"cannot create {unit}" if left == 0 else f"cannot reserve 65536 bytes for {unit}")
         assert str(failed.value) == (
             f"checkpoint of step 1 in {run_dir} failed and was not committed: OSError: [Errno 28] "
             f"{refused}: No space left on device; no space left on device: "
             "free space, then write again (committed steps are intact)")
-        assert sorted(os.listdir(os.path.join(run_dir, "steps"))) == [unit_name(0, ".bp" if backend == "adios2" else ".h5")]
+        assert sorted(os.listdir(os.path.join(run_dir, "steps"))) == [unit_name(0, suffix)]
         os.remove(filler)
         ckpt.write(1, model)
         ckpt.close()
