@@ -257,7 +257,14 @@ class FileWriter:
                 pass  # the profile is written, as without the link
         status = c_int(0)
         rc = self.lib.adios2_begin_step(self.engine, STEP_MODE_APPEND, -1.0, ctypes.byref(status))
-        adios.check(rc, "begin_step", path)
+        if rc != 0:
+            engine, self.engine = self.engine, None
+            try:
+                adios.check(rc, "begin_step", path)  # first: it reads the errno the failure left
+            finally:
+                # a context finalized with an engine still open can abort the process
+                if self.lib.adios2_close(engine) != 0:
+                    adios.abandon()
         self.variables: dict[str, int] = {}
         self.selected: dict[str, tuple] = {}  # each variable's selection: (start, count)
         self.step_failed = False  # ADIOS2 could not write a step
