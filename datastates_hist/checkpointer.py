@@ -66,8 +66,10 @@ class Checkpointer:
             decodes at most this many stored values of each tensor it reads (Adam's
             moments are predicted from the weights and each other: three tensors).
         keep_up: what the flush does when it falls behind training: None (default)
-            stores tensors raw while the host cache holds a later step's snapshot and is
-            90% full, the point where the next snapshot, and training, would wait;
+            stores tensors raw while the host cache is 90% full and holds a later step's
+            snapshot, or training waits for a snapshot (a step larger than the cache):
+            the point where the next snapshot, and training, would wait (a tensor begun
+            before stores its remaining chunks uncompressed);
             True stores raw from half full and runs the flush at nice 19, so it uses
             only the CPU time training leaves (shorter steps, a larger history); False
             always encodes as ``codec`` says, so the history is as small as it can be

@@ -309,10 +309,12 @@ class Encoder:
             self._fused_norms = 0
 
     def add(self, piece: np.ndarray, base: np.ndarray | None, base2: np.ndarray | None = None,
-            keep: np.ndarray | None = None) -> None:
+            keep: np.ndarray | None = None, compress: bool = True) -> None:
         """Encode the next consecutive byte range of the tensor (``base``, ``base2``: the
         same range of the base tensors, or None without delta). ``keep`` (or None) gets a
         copy of the piece once the bases' bytes are read, so it may be ``base2`` itself.
+        Without ``compress``, the piece's chunks are stored raw (:data:`STORED_RAW`: a
+        delta's residual, ungrouped), which costs one pass instead of the entropy coder's.
         No other array is modified."""
         if self._finished:
             raise RuntimeError("Encoder.add called after finish")
@@ -353,12 +355,12 @@ class Encoder:
                                               residual, self.drop):
                         flag = SHIFTED
                 chunk = residual
-                if self.grouped:
+                if self.grouped and compress:
                     chunk = self._group(residual, base[cut])
                     flag |= GROUPED
             if kept is not None:  # once the bases are read: keep may be base2's buffer
                 kept[:] = original
-            self._add_chunk(chunk, flag)
+            self._add_chunk(chunk, flag, compress)
 
     def _residual(self, size: int) -> np.ndarray:
         if self._residual_buf.size < size:
@@ -374,9 +376,9 @@ class Encoder:
         group(residual, base, out, self.dtype)
         return out
 
-    def _add_chunk(self, chunk: np.ndarray, flags: int) -> None:
-        compressed = blosc2.compress2(chunk, cparams=self._cparams)
-        if len(compressed) < chunk.size:
+    def _add_chunk(self, chunk: np.ndarray, flags: int, compress: bool = True) -> None:
+        compressed = blosc2.compress2(chunk, cparams=self._cparams) if compress else None
+        if compressed is not None and len(compressed) < chunk.size:
             self._stored.append(compressed)
             self._chunks.append([chunk.size, len(compressed), COMPRESSED | flags])
         else:

@@ -76,8 +76,9 @@ class Encoding:
     def kind(self) -> str:
         return KEY if self.base is None else DELTA
 
-    def add(self, piece: np.ndarray) -> None:
-        """Encode the next piece (a 1-D uint8 view of the tensor's stored bytes)."""
+    def add(self, piece: np.ndarray, compress: bool = True) -> None:
+        """Encode the next piece (a 1-D uint8 view of the tensor's stored bytes); without
+        ``compress``, its chunks are stored raw (:meth:`codecs.Encoder.add`)."""
         if self.lossy is not None:
             piece = self.lossy.add(piece)
         end = self.pos + piece.size
@@ -101,7 +102,7 @@ class Encoding:
             p.norms.base_sq += base_sq
             base = predicted
         # the anchor's copy comes after encoding: its buffer may be base2's
-        self.encoder.add(piece, base, base2, keep)
+        self.encoder.add(piece, base, base2, keep, compress)
         self.pos = end
         if self.anchor is not None:
             self.anchor.filled = end

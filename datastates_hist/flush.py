@@ -35,9 +35,10 @@ from .items import RAW, TensorRecord
 from .snapshot import Begin, End, Message, NeedSpace, PendingCheckpoint, Piece, Pieces, Stop
 
 
-# When the flush falls behind training (the host cache holds a later step's snapshot and
-# is full past a fraction of it), tensors are stored raw until it catches up: an encoder
-# slower than training then costs what writing the bytes costs, not a wait at every step.
+# When the flush falls behind training (the host cache is full past a fraction of it and
+# holds a later step's snapshot, or training waits for a snapshot), tensors are stored raw
+# until it catches up, and a tensor already begun stores its remaining chunks uncompressed:
+# an encoder slower than training then costs what writing the bytes costs, not a wait.
 # ``keep_up=None`` (the default) switches only when the cache is nearly full, the moment
 # before the next snapshot, and training with it, would wait; ``keep_up=True`` switches at
 # half and also runs the flush at the lowest priority (nice 19), so encoding and writing
@@ -80,9 +81,11 @@ class Flusher:
     ranks agree on every step's outcome."""
 
     def __init__(self, cache: HostCache, committer, refuse_nonfinite: bool = False, key_every: int = 16,
-                 keep_up: bool | None = None):
+                 keep_up: bool | None = None, training_waits: threading.Event | None = None):
         self.cache = cache
         self.keep_up = keep_up
+        # set while the training thread waits for a snapshot (the pipeline's hooks)
+        self.training_waits = training_waits or threading.Event()
         self.behind_bytes = None if keep_up is False else BEHIND_FRACTION[keep_up] * cache.capacity
         self.raw_to_keep_up = 0  # tensors stored raw, not encoded, because the flush was behind
         self.refuse_nonfinite = refuse_nonfinite
@@ -184,14 +187,15 @@ class Flusher:
         step.writer(index).define(item.name, storage_dtype(t.dtype), tuple(t.shape), dtype_name(t.dtype), **block)
 
     def _behind(self, ckpt: PendingCheckpoint) -> bool:
-        """Whether the flush has fallen behind training: the cache holds a later step's
-        snapshot and is more than :data:`BEHIND_FRACTION` full (once full, training waits).
-        A step with no snapshot after it is encoded however full the cache: one that is
-        most of the cache fills it while the flush keeps up (and one larger than the cache
-        streams through it)."""
-        if self.behind_bytes is None or ckpt.cache_end is None or self.cache.allocated == ckpt.cache_end:
+        """Whether the flush has fallen behind training: the cache is more than
+        :data:`BEHIND_FRACTION` full (once full, the snapshot waits for the flush), and it
+        holds a later step's snapshot, or training waits for a snapshot now (a step larger
+        than the cache: its own snapshot waits for space). A step that is most of the cache
+        fills it while the flush keeps up: encoded, unless training waits for it."""
+        if self.behind_bytes is None or self.cache.held_bytes() <= self.behind_bytes:
             return False
-        return self.cache.held_bytes() > self.behind_bytes
+        later = ckpt.cache_end is not None and self.cache.allocated != ckpt.cache_end
+        return later or self.training_waits.is_set()
 
     def _put(self, step: _Step, piece: Piece) -> None:
         item = step.ckpt.tensors[piece.index]
@@ -211,8 +215,9 @@ class Flusher:
             array = raw.view(sdtype).reshape(piece.count)
             if piece.digest is None:
                 digest.update(array, t.dtype)
-            if encoding is not None:
-                encoding.add(raw.reshape(-1))  # consumed: compressed, and copied if an anchor
+            if encoding is not None:  # consumed: compressed, and copied if an anchor
+                # a tensor begun while the flush kept up: its later pieces give way alike
+                encoding.add(raw.reshape(-1), compress=encoding.lossy is not None or not self._behind(step.ckpt))
             else:
                 writer.put(item.name, array, piece.start)
                 if not writer.writes_at_put:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import sqlite3
+import threading
 import time
 from typing import Any
 
@@ -40,6 +41,7 @@ class Pipeline:
         self._last: PendingCheckpoint | None = None
         self._hooks: dict[int, Any] = {}
         self.hook_seconds = 0.0  # training-thread time spent waiting in the hooks
+        self.training_waits = threading.Event()  # set while a hook waits: the flusher's keep_up reads it
 
     def submit(self, ckpt: PendingCheckpoint, model: Any, optimizer: Any) -> None:
         """Queue ``ckpt`` (of ``model`` and ``optimizer``) for its snapshot, after the previous one's."""
@@ -66,7 +68,7 @@ class Pipeline:
         pin = torch.cuda.is_available() and any(t.tensor.is_cuda for t in ckpt.tensors)
         self.cache = HostCache(self.cache_bytes, pin=pin)
         self._flusher = Flusher(self.cache, self.committer, self.refuse_nonfinite, self.key_every,
-                                self.keep_up)
+                                self.keep_up, self.training_waits)
         self._snapshotter = Snapshotter(self.cache, self._flusher.inbox, self.piece_bytes)
 
     # --- waiting ------------------------------------------------------------------------
@@ -77,7 +79,12 @@ class Pipeline:
         if ckpt is None:
             return
         done = ckpt.volatile_done if volatile_only else ckpt.snapshot_done
-        done.wait()
+        if not done.is_set():
+            self.training_waits.set()
+            try:
+                done.wait()
+            finally:
+                self.training_waits.clear()
         event = ckpt.volatile_copied if volatile_only else ckpt.copied
         if event is not None:  # the training stream must not overwrite before the copy ran
             torch.cuda.current_stream().wait_event(event)

@@ -484,6 +484,35 @@ def test_a_float_delta_is_stored_grouped_by_the_exponent_of_its_base(dtype):
         assert stored[True][1] < stored[False][1], (stored[True][1], stored[False][1])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64"])
+@pytest.mark.parametrize("delta", [False, True])
+def test_pieces_added_without_compress_are_stored_raw_and_decode_with_the_others(dtype, delta):
+    """A piece added with ``compress=False`` (the flush giving way to training) is stored as
+    raw chunks: a delta's its residual, ungrouped; the tensor decodes bit-exact, and the
+    same anchor copy and update ratio come out."""
+    current, previous = _stored(CURRENT, dtype), _stored(PREVIOUS, dtype)
+    older = _stored(PREVIOUS * 0.999, dtype)
+    half = current.size // 2 // torch_dtype(dtype).itemsize * torch_dtype(dtype).itemsize
+    results = {}
+    for compress in ((True, True), (True, False), (False, True)):
+        encoder = Encoder(dtype, delta=delta)
+        keep = np.zeros(current.size, np.uint8)
+        for part, squeeze in zip((slice(0, half), slice(half, None)), compress):
+            encoder.add(current[part], *((previous[part], older[part]) if delta else (None, None)),
+                        keep=keep[part], compress=squeeze)
+        blob, chunks, ratio = encoder.finish()
+        assert np.array_equal(keep, current)
+        for (raw_len, stored_len, flag), squeeze in zip(chunks, compress):
+            if not squeeze:
+                assert flag == STORED_RAW and stored_len == raw_len, chunks
+        out = np.empty(current.size, np.uint8)
+        decode(blob, chunks, torch_dtype(dtype).itemsize, out, *((previous, older) if delta else ()), dtype=dtype)
+        assert np.array_equal(out, current)
+        results[compress] = blob.size, ratio
+    assert results[(True, False)][0] > results[(True, True)][0]
+    assert results[(True, False)][1] == results[(False, True)][1] == results[(True, True)][1]
+
+
 def test_a_delta_against_two_bases_is_grouped_by_the_first_base_not_the_extrapolation():
     """docs/format.md: the key of a delta against x1 and x2 is x1's exponent, not that of
     the prediction 2*x1 - x2 (whose exponents here put the elements in another order)."""

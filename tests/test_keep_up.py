@@ -151,3 +151,49 @@ def test_with_keep_up_the_flush_thread_runs_at_nice_19(tmp_path, keep_up, nice):
         flush = ckpt._pipeline._flusher.thread  # this Checkpointer's (others may linger in the process)
         assert flush.name == "dh-flush" and flush.is_alive()
         assert os.getpriority(os.PRIO_PROCESS, flush.native_id) == (nice if keep_up else base)
+
+
+@pytest.mark.parametrize("keep_up", [None, True, False])
+def test_a_step_larger_than_the_cache_is_stored_raw_once_training_waits_for_its_snapshot(
+        tmp_path, backend, stalled, keep_up):
+    """Step 0 (6 MiB: a weight and Adam's moments) in a cache of 2 MiB: its snapshot waits
+    for the flush, which stalls until the training thread waits for that snapshot at the
+    optimizer step. The cache is full then, and holds no later step: by default (and with
+    ``keep_up=True``) the flush stores raw what it starts while training waits; with
+    ``keep_up=False`` it encodes. A step written after the flush caught up is encoded."""
+    name, go = stalled
+    run_dir = str(tmp_path / "run")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 512)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 1024)).square().mean().backward()
+    opt.step()
+    ckpt = dh.Checkpointer(run_dir, backend=name, host_cache_bytes=2 << 20, keep_up=keep_up)
+    ckpt.write(0, model, opt)
+    written = {0: {"model/weight": model.weight.detach().clone(),
+                   "optim/state/weight/exp_avg": opt.state[model.weight]["exp_avg"].clone()}}
+    waits = ckpt._pipeline.training_waits
+    releaser = threading.Thread(target=lambda: (waits.wait(60), go.set()))
+    releaser.start()
+    model(torch.randn(8, 1024)).square().mean().backward()
+    opt.step()  # its pre-hook waits for step 0's snapshot: the flush goes on only then
+    releaser.join()
+    assert go.is_set() and not waits.is_set()
+    opt.zero_grad()
+    ckpt.wait()
+    ckpt.write(1, model, opt)
+    written[1] = {"model/weight": model.weight.detach().clone(),
+                  "optim/state/weight/exp_avg": opt.state[model.weight]["exp_avg"].clone()}
+    ckpt.close()
+    stored = encodings(run_dir)
+    raw = sum(list(s.values()).count("raw") for s in stored.values())
+    assert ckpt.raw_to_keep_up == raw
+    if keep_up is False:
+        assert raw == 0, stored
+    else:  # the first tensor flushed: the cache full, training waiting
+        assert stored[0]["model/weight"] == "raw", stored
+    assert "raw" not in stored[1].values(), stored
+    with dh.open(run_dir) as h:
+        for step, values in written.items():
+            for tensor, value in values.items():
+                assert torch.equal(h.read(tensor, step), value), (step, tensor)
