@@ -410,7 +410,7 @@ def _read_unit(run_dir: str, unit: str, backends, old_times: dict[int, float], v
         )
         bases.check(step, records)
         if verify:
-            data = StepData(run_dir, row, reader, bases=bases)
+            data = StepData(run_dir, row, reader, bases=bases, plain_reads=True)
             for name in data.records:
                 data.read(name)  # raises CorruptionError naming the tensor
         return row, records, scalars, restore_checksum
@@ -465,7 +465,7 @@ def _open_step(run_dir: str, row: StepRow, bases: _AcceptedUnits) -> StepData:
     try:
         if row.tier == "restore":
             readers.append(backend.open_step(steps_dir(run_dir), restore_unit(row.location)))
-        return StepData(run_dir, row, *readers, bases=bases)
+        return StepData(run_dir, row, *readers, bases=bases, plain_reads=True)
     except BaseException:
         for reader in readers:
             reader.close()

@@ -61,6 +61,11 @@ def fresh_arrays(specs: list[tuple[tuple[int, ...], np.dtype]]):
 # Stored bytes of encoded tensors read at once by a prefetch: the blobs wait for their
 # decode in memory, so a restore holds at most this much beside the tensors.
 BATCH_BYTES = 256 << 20
+# A batch is read (or mapped) and handed to the decoders in waves of about this many stored
+# bytes, each wave's decodes split in one task per decoder: the decoders start on the first
+# wave while the next is read, and a task per tensor (309 for the small GPT) cost the reading
+# thread a future and a wake-up each.
+WAVE_BYTES = 4 << 20
 # Threads decoding a prefetch's tensors (blosc2, numpy and xxhash release the GIL in them).
 DECODERS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
@@ -85,17 +90,50 @@ def _claim(spans: list[tuple[int, int]], array: np.ndarray) -> bool:
     return True
 
 
+def _waves(batch: list[TensorRecord]):
+    """``batch`` in runs of about :data:`WAVE_BYTES` stored bytes, each at least one record."""
+    wave: list[TensorRecord] = []
+    size = 0
+    for rec in batch:
+        if wave and size + rec.stored > WAVE_BYTES:
+            yield wave
+            wave, size = [], 0
+        wave.append(rec)
+        size += rec.stored
+    if wave:
+        yield wave
+
+
+def _shares(jobs: list[tuple], n: int) -> list[list[tuple]]:
+    """``jobs`` (decodes: record first) in at most ``n`` consecutive runs of about equal
+    stored bytes, none empty."""
+    total = sum(job[0].stored for job in jobs)
+    shares: list[list[tuple]] = [[]]
+    acc = 0
+    for job in jobs:
+        # a new share once this job lies mostly past the current share's part of the total
+        if shares[-1] and len(shares) < n and acc + job[0].stored / 2 >= total * len(shares) / n:
+            shares.append([])
+        shares[-1].append(job)
+        acc += job[0].stored
+    return shares if jobs else []
+
+
 class StepData:
     """An open step: its records and plain values, and verified tensor reads.
 
     ``restore_reader``: the reader of a restore point's restore unit. ``bases``:
     where a delta's base is read (``bases.base(step, name, needed_by, pinned, keep)`` -> its
     stored bytes; ``needed_by``: the step of the delta) and decoded values are remembered
-    (``bases.remember(row, name, bytes)``): the :class:`Store` that opened the step."""
+    (``bases.remember(row, name, bytes)``): the :class:`Store` that opened the step.
+    ``plain_reads``: every tensor read with the reader's plain ``read``, never in a batch,
+    mapped or by a table of locations (verify and repair: what they accept reads back by
+    every path, a dataset's damaged header included)."""
 
     def __init__(self, run_dir: str, row: StepRow, reader: StepReader,
-                 restore_reader: StepReader | None = None, bases=None):
+                 restore_reader: StepReader | None = None, bases=None, plain_reads: bool = False):
         self.run_dir, self.row, self.reader = run_dir, row, reader
+        self.plain_reads = plain_reads
         self.readers = {"": reader, "restore": restore_reader}
         self._bases = bases
         raw = self._manifest(reader, row.manifest_checksum, "")
@@ -229,6 +267,8 @@ class StepData:
         tensors to read straight into (contiguous, CPU, of the stored dtype and shape).
         ``bases``: decoded values of the deltas' bases, ``(step, name) -> bytes``, that
         the caller holds (the others are read)."""
+        if self.plain_reads:
+            return  # read() reads each
         into = into or {}
         wanted = [self.records[n] for n in names if n in self.records and n not in self._prefetched]
         wanted = [r for r in wanted if r.blocks is None and math.prod(r.shape)]
@@ -246,7 +286,12 @@ class StepData:
         with self._as_damage("the tensors"):
             reader.read_many(requests)
         for rec, out in zip(wanted, outs):
-            self._check(rec, out, rec.checksum)
+            try:
+                self._check(rec, out, rec.checksum)
+            except CorruptionError:  # a batch may read by a table gone stale: read() decides
+                with self._as_damage(f"tensor {rec.name!r}"):
+                    reader.read(rec.name, out, (0,) * len(rec.shape))
+                self._check(rec, out, rec.checksum)
             self._prefetched[rec.name] = out
 
     def _prefetch_encoded(self, wanted: list[TensorRecord], into: dict, bases: dict | None = None) -> None:
@@ -270,32 +315,58 @@ class StepData:
         targets: list[tuple[int, int]] = []  # the live memories decoded into: sorted, disjoint
         with ThreadPoolExecutor(DECODERS, thread_name_prefix="dh-decode") as pool:
             for batch in batches:
-                with self._as_damage("the tensors"):
-                    blobs = self._read_blobs(batch)
                 # bases are found here, in order (they may read and decode other steps);
                 # the decodes themselves, which touch nothing shared, run on the pool
                 decoding, decoded, given, rank = [], {}, bases, 0
-                for rec in batch:
-                    if self.ranks.get(rec.name, 0) > rank:
-                        rank = self.ranks[rec.name]
-                        for done in decoding:  # the values it is predicted from, decoded and checked
-                            done.result()
-                        given = dict(bases or {})
-                        given.update({(self.row.step, n): a.reshape(-1).view(np.uint8)
-                                      for n, a in (*self._prefetched.items(), *decoded.items())})
-                    live = self._live_destination(rec, into.get(rec.name))
-                    if live is not None and not _claim(targets, live):
-                        # memory another decode writes (GPT-2's tied lm_head and wte): two
-                        # decodes writing it at once would each check the other's bytes; this
-                        # one goes to fresh memory and is copied in with the other values
-                        live = None
-                    out = self._decode_buffer(rec) if live is None else live.reshape(-1).view(np.uint8)
-                    decoding.append(pool.submit(self._decode, rec, blobs.pop(rec.name), out,
-                                                self._given_bases(rec, given)))
-                    decoded[rec.name] = out.view(storage_dtype(torch_dtype(rec.dtype))).reshape(rec.shape)
-                for done in decoding:
-                    done.result()
+                for wave in _waves(batch):
+                    with self._as_damage("the tensors"):
+                        blobs = self._read_blobs(wave)
+                    jobs = []
+                    for rec in wave:
+                        if self.ranks.get(rec.name, 0) > rank:
+                            rank = self.ranks[rec.name]
+                            decoding += self._submit(pool, jobs)
+                            self._finish(decoding)  # the values it is predicted from, decoded and checked
+                            decoding, jobs = [], []
+                            given = dict(bases or {})
+                            given.update({(self.row.step, n): a.reshape(-1).view(np.uint8)
+                                          for n, a in (*self._prefetched.items(), *decoded.items())})
+                        live = self._live_destination(rec, into.get(rec.name))
+                        if live is not None and not _claim(targets, live):
+                            # memory another decode writes (GPT-2's tied lm_head and wte): two
+                            # decodes writing it at once would each check the other's bytes; this
+                            # one goes to fresh memory and is copied in with the other values
+                            live = None
+                        out = self._decode_buffer(rec) if live is None else live.reshape(-1).view(np.uint8)
+                        jobs.append((rec, blobs.pop(rec.name), out, self._given_bases(rec, given)))
+                        decoded[rec.name] = out.view(storage_dtype(torch_dtype(rec.dtype))).reshape(rec.shape)
+                    decoding += self._submit(pool, jobs)
+                self._finish(decoding)
                 self._prefetched.update(decoded)  # each checked: a failed batch leaves none
+
+    def _submit(self, pool: ThreadPoolExecutor, jobs: list[tuple]) -> list:
+        """``jobs`` on the pool, one task per decoder (:func:`_shares`)."""
+        return [pool.submit(self._decode_all, share) for share in _shares(jobs, DECODERS)]
+
+    def _decode_all(self, jobs: list[tuple]) -> list[tuple]:
+        """Decode ``jobs`` (on a decoder); those whose bytes do not check are returned, to be
+        read again on the calling thread (:meth:`_finish`: readers are not shared)."""
+        failed = []
+        for job in jobs:
+            try:
+                self._decode(*job)
+            except CorruptionError:
+                failed.append(job)
+        return failed
+
+    def _finish(self, decoding: list) -> None:
+        """Wait for these tasks of :meth:`_decode_all`; decode each tensor they return again
+        from its bytes read with the reader's plain ``read`` (a mapped or batch read may go by
+        a table of byte ranges gone stale: hdf5.py), in order, raising the first that still
+        fails."""
+        for done in decoding:
+            for rec, _, out, bases in done.result():
+                self._decode(rec, self._read_blob(rec, rec.part, rec.stored, plain=True), out, bases)
 
     @contextlib.contextmanager
     def _as_damage(self, what: str, detail: str = ""):
@@ -407,7 +478,15 @@ class StepData:
         rounded = self.decoded(rec)
         if not rec.has_low_bits:
             return rounded
-        blob = self._read_blob(rec, "restore", rec.low_stored, " (its low bits)")
+        try:
+            return self._exact(rec, rounded, plain=self.plain_reads)
+        except CorruptionError:
+            if self.plain_reads:
+                raise
+            return self._exact(rec, rounded, plain=True)  # read again with the plain read (_finish)
+
+    def _exact(self, rec: TensorRecord, rounded: np.ndarray, plain: bool) -> np.ndarray:
+        blob = self._read_blob(rec, "restore", rec.low_stored, " (its low bits)", plain)
         try:
             exact = add_low_bits(rounded, blob, rec.low_chunks, storage_dtype(torch_dtype(rec.dtype)).itemsize)
         except ValueError as exc:
@@ -416,20 +495,24 @@ class StepData:
         self._check(rec, exact, rec.exact_checksum, " (its exact value, with its low bits)")
         return exact
 
-    def decoded(self, rec: TensorRecord, blob: np.ndarray | None = None, out: np.ndarray | None = None,
+    def decoded(self, rec: TensorRecord, out: np.ndarray | None = None,
                 remember: bool = True, bases: dict | None = None) -> np.ndarray:
         """The stored bytes (1-D uint8) of encoded tensor ``rec``: its chunks read and
         decompressed, added to the prediction from its bases for a delta, and checked
         against its checksum (always: a part of a tensor decodes the whole of it anyway,
-        and a decoded value may become the base of others). ``blob``: its stored bytes,
-        already read; ``out``: where to decode it (1-D uint8 of ``rec.nbytes``);
+        and a decoded value may become the base of others); bytes from a mapped read that
+        do not check are read again with the plain read (:meth:`_finish`). ``out``: where
+        to decode it (1-D uint8 of ``rec.nbytes``);
         ``remember``: keep the value as a base of later reads; ``bases``: values of its
         bases the caller holds, ``(step, name) -> bytes`` (else they are read)."""
         bases = self._given_bases(rec, bases)
         out = self._decode_buffer(rec) if out is None else out
-        if blob is None:
-            blob = self._read_blob(rec, rec.part, rec.stored)
-        self._decode(rec, blob, out, bases)
+        try:
+            self._decode(rec, self._read_blob(rec, rec.part, rec.stored), out, bases)
+        except CorruptionError:
+            if self.plain_reads:
+                raise
+            self._decode(rec, self._read_blob(rec, rec.part, rec.stored, plain=True), out, bases)
         if remember and self._bases is not None:
             self._bases.remember(self.row, rec.name, out)
         return out
@@ -485,14 +568,16 @@ class StepData:
         blobs.update(unmapped)
         return blobs
 
-    def _read_blob(self, rec: TensorRecord, part: str, nbytes: int, what: str = "") -> np.ndarray:
-        """``nbytes`` stored bytes of ``rec`` from unit ``part``; a failure is damage of it
-        (a value decoded as a base is read here, with no caller to name the tensor)."""
+    def _read_blob(self, rec: TensorRecord, part: str, nbytes: int, what: str = "",
+                   plain: bool = False) -> np.ndarray:
+        """``nbytes`` stored bytes of ``rec`` from unit ``part`` (``plain``: with the reader's
+        ``read``, not mapped); a failure is damage of it (a value decoded as a base is read
+        here, with no caller to name the tensor)."""
         reader = self.readers[part]
         if not nbytes:
             return np.empty(0, np.uint8)
         with self._as_damage(f"tensor {rec.name!r}", what):
-            blob = reader.mapped_bytes([(rec.name, nbytes)]).get(rec.name)
+            blob = None if plain or self.plain_reads else reader.mapped_bytes([(rec.name, nbytes)]).get(rec.name)
             if blob is None:
                 blob = np.empty(nbytes, np.uint8)  # within the unit's size (_check_stored_bytes)
                 reader.read(rec.name, blob, (0,))
@@ -534,10 +619,12 @@ class StepData:
 
 
 class Store:
-    """A run opened for reading (safe while a writer appends)."""
+    """A run opened for reading (safe while a writer appends); ``plain_reads``: as
+    :class:`StepData` takes it, for every step opened."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, plain_reads: bool = False):
         self.run_dir = run_dir
+        self.plain_reads = plain_reads
         self.index = open_existing(run_dir)
         # the newest decoded values of each tensor: reading step after step decodes each delta once
         self._decoded: OrderedDict[tuple, np.ndarray] = OrderedDict()  # (name, (step, time)) -> bytes
@@ -623,7 +710,7 @@ class Store:
         try:
             if row.tier == "restore" and not main_only:
                 restore_reader = self._open_unit(row, restore_unit(row.location))
-            data = StepData(self.run_dir, row, reader, restore_reader, self)
+            data = StepData(self.run_dir, row, reader, restore_reader, self, self.plain_reads)
             if against_index:
                 self._check_records(data)
             return data

@@ -69,7 +69,7 @@ def verify_run(run_dir: str, steps: Iterable[int] | None = None,
         Every problem found, in step order; empty when the steps are intact.
         Steps pruned by a writer while they were being checked are skipped.
     """
-    store = Store(os.fspath(run_dir))
+    store = Store(os.fspath(run_dir), plain_reads=True)
     try:
         _check_index(store)
         if steps is None:

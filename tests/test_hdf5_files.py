@@ -142,6 +142,7 @@ def test_a_restore_decodes_the_blobs_from_the_mapped_file(run_dir):
         data = f["model/1.weight"][()]
         del f["model/1.weight"]
         f.create_dataset("model/1.weight", data=data, chunks=(1024,), compression="gzip")
+        del f["__locations__"]  # as files written before the table: HDF5 says where each blob lies
     read_many, read = HDF5StepReader.read_many, []
     def recording(self, requests):
         read.extend(name for name, _, _ in requests)
@@ -162,3 +163,154 @@ def test_a_restore_decodes_the_blobs_from_the_mapped_file(run_dir):
         assert reader.mapped_bytes([("model/0.weight", size + 1), ("model/1.weight", 64)]) == {}
     finally:
         reader.close()
+
+
+def _adam_step(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _restored_equal(run_dir, step, model, opt):
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    with dh.Checkpointer(run_dir) as ckpt:
+        ckpt.restore(step, model=fresh, optimizer=fresh_opt)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+    for p, q in zip(opt.state.values(), fresh_opt.state.values()):
+        assert all(torch.equal(p[k], q[k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+def _locations(path):
+    with h5py.File(path, "r") as f:
+        return json.loads(f["__locations__"][()].tobytes())
+
+
+@pytest.mark.parametrize("codec", ["raw", "key"])
+def test_a_step_file_lists_where_each_dataset_lies(run_dir, codec):
+    """``__locations__`` (docs/format.md section 3): every dataset's byte range and numpy
+    dtype, as HDF5 itself reports them."""
+    model, opt = _adam_step()
+    with dh.Checkpointer(run_dir, backend="hdf5", codec=codec) as ckpt:
+        ckpt.write(3, model, opt)
+    path = os.path.join(run_dir, "steps", "000000000003.h5")
+    table = _locations(path)
+    with h5py.File(path, "r") as f:
+        names = []
+        f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+        names = sorted(set(names) - {"__manifest__", "__locations__"})
+        assert sorted(table) == names and len(names) > 10
+        for name in names:
+            ds = f[name]
+            assert table[name] == [ds.id.get_offset(), ds.id.get_storage_size(), ds.dtype.str], name
+    with open(path, "rb") as file:  # the range holds the dataset's bytes
+        with h5py.File(path, "r") as f:
+            offset, nbytes, dtype = table["model/0.weight"]
+            file.seek(offset)
+            assert file.read(nbytes) == f["model/0.weight"][()].astype(dtype).tobytes()
+
+
+@pytest.mark.parametrize("codec", ["raw", "key"])
+def test_a_restore_reads_by_the_table_without_opening_the_datasets(run_dir, codec):
+    """A restore opens the manifest and the table through HDF5, and no tensor's dataset."""
+    from datastates_hist.backends import hdf5
+
+    model, opt = _adam_step()
+    with dh.Checkpointer(run_dir, backend="hdf5", codec=codec) as ckpt:
+        ckpt.write(3, model, opt)
+    opened, open_dataset = [], hdf5.h5py.h5d.open
+    def recording(loc, name, *args, **kwargs):
+        opened.append(name.decode())
+        return open_dataset(loc, name, *args, **kwargs)
+    hdf5.h5py.h5d.open = recording
+    try:
+        _restored_equal(run_dir, 3, model, opt)
+    finally:
+        hdf5.h5py.h5d.open = open_dataset
+    assert sorted(set(opened)) == ["__locations__", "__manifest__"]
+
+
+@pytest.mark.parametrize("codec", ["raw", "key"])
+def test_a_table_gone_stale_after_another_tool_rewrote_a_dataset_still_restores(run_dir, codec):
+    """Another tool rewrote a dataset elsewhere in the file (big-endian, chunked) and
+    other bytes took its old range: the table's range fails the checksum, and the tensor
+    is read again through HDF5: restored bit-exact, read bit-exact."""
+    model, opt = _adam_step()
+    with dh.Checkpointer(run_dir, backend="hdf5", codec=codec) as ckpt:
+        ckpt.write(3, model, opt)
+    path = os.path.join(run_dir, "steps", "000000000003.h5")
+    table = _locations(path)
+    rewritten = ("model/0.weight", "optim/state/1.weight/exp_avg_sq")
+    with h5py.File(path, "r+") as f:
+        for i, name in enumerate(rewritten):
+            data = f[name][()]
+            f.move(name, f"moved{i}")  # its old range, kept by the moved dataset, is then overwritten
+            f.create_dataset(name, data=data, dtype=data.dtype.newbyteorder(">") if codec == "raw" else None,
+                             chunks=True, compression="gzip")
+            f[f"moved{i}"][...] = 90
+            assert f[f"moved{i}"].id.get_offset() == table[name][0]
+    assert _locations(path) == table  # stale
+    _restored_equal(run_dir, 3, model, opt)
+    with dh.open(run_dir) as h:
+        assert torch.equal(h.read("model/0.weight", 3), model[0].weight.detach())
+
+
+def test_a_crafted_table_is_never_read_outside_the_file_nor_trusted(run_dir):
+    """Entries outside the file, of another size or type, malformed, or pointing at
+    another tensor's bytes: each restore is bit-exact (HDF5 is asked, or the bytes fail
+    their checksum and are read again). Damage of the data itself is still named."""
+    model, opt = _adam_step()
+    with dh.Checkpointer(run_dir, backend="hdf5", codec="raw") as ckpt:
+        ckpt.write(3, model, opt)
+    path = os.path.join(run_dir, "steps", "000000000003.h5")
+    table = _locations(path)
+    size = os.path.getsize(path)
+    w, b = table["model/0.weight"], table["model/0.bias"]
+    other = table["optim/state/0.weight/exp_avg"]  # the same size and dtype as model/0.weight
+    crafted = [
+        {**table, "model/0.weight": [size - 4, w[1], w[2]], "model/0.bias": [-1, b[1], b[2]]},
+        {**table, "model/0.weight": [True, w[1], w[2]], "model/0.bias": [b[0], b[1] + 4, b[2]]},
+        {**table, "model/0.weight": [w[0], w[1], ">f4"], "model/0.bias": "x", "model/1.bias": [[1], 2]},
+        {**table, "model/0.weight": other, "optim/state/0.weight/exp_avg": w},
+        [1, 2, 3],
+        b"{not json",
+    ]
+    for case in crafted:
+        data = case if isinstance(case, bytes) else json.dumps(case).encode()
+        with h5py.File(path, "r+") as f:
+            del f["__locations__"]
+            f.create_dataset("__locations__", data=np.frombuffer(data, np.uint8))
+        _restored_equal(run_dir, 3, model, opt)
+    # a table that cannot be read as one: HDF5 is asked where each dataset lies
+    good = json.dumps(table).encode()
+    for make in (lambda f: f.create_group("__locations__"),
+                 lambda f: f.create_dataset("__locations__", data=good.decode()),  # a string
+                 lambda f: f.create_dataset("__locations__", data=np.frombuffer(good, np.uint8).astype(np.float32)),
+                 lambda f: f.create_dataset("__locations__", data=np.frombuffer(good, np.uint8), chunks=(16,))):
+        with h5py.File(path, "r+") as f:
+            del f["__locations__"]
+            make(f)
+        _restored_equal(run_dir, 3, model, opt)
+    with h5py.File(path, "r+", libver="latest") as f:  # its header damaged (a version 2 header: checksummed)
+        del f["__locations__"]
+        f.create_dataset("__locations__", data=np.frombuffer(good, np.uint8))
+        header = h5py.h5o.get_info(f["__locations__"].id)
+        at = header.addr + header.hdr.space.total // 2
+    with open(path, "r+b") as file:
+        file.seek(at)
+        byte = file.read(1)
+        file.seek(at)
+        file.write(bytes([byte[0] ^ 0x10]))
+    with h5py.File(path, "r") as f, pytest.raises(KeyError, match="incorrect metadata checksum"):
+        f["__locations__"]
+    _restored_equal(run_dir, 3, model, opt)
+    with h5py.File(path, "r") as f:
+        offset = f["model/0.weight"].id.get_offset()
+    with open(path, "r+b") as file:
+        file.seek(offset + 8)
+        file.write(b"\xff" * 4)
+    with pytest.raises(dh.CorruptionError, match=r"tensor 'model/0.weight' of step 3 .* does not match its checksum"):
+        _restored_equal(run_dir, 3, model, opt)

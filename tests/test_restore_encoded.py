@@ -181,6 +181,7 @@ def test_two_records_of_one_tied_tensor_are_never_decoded_into_it_at_once(run_di
         decode(self, rec, blob, out, bases)
 
     monkeypatch.setattr(store, "DECODERS", 2)
+    monkeypatch.setattr(store, "WAVE_BYTES", 1)  # a task per tensor, so that the two may run at once
     monkeypatch.setattr(store.StepData, "_decode", held)
     torch.manual_seed(1)
     fresh = Tied()
