@@ -223,13 +223,10 @@ class HDF5StepReader(StepReader):
             raise ValueError(f"dataset {name!r} of {self.path} stores its data outside the file")
 
     def manifest(self) -> bytes:
-        return self._bytes_of(MANIFEST, "the manifest")
-
-    def _bytes_of(self, name: str, what: str) -> bytes:
-        dsid = self._dataset(name)
+        dsid = self._dataset(MANIFEST)
         if dsid.get_storage_size() < dsid.get_space().get_select_npoints():
-            raise ValueError(f"{what} of {self.path} declares more bytes than the file stores for it")
-        return self.file[name][()].tobytes()
+            raise ValueError(f"the manifest of {self.path} declares more bytes than the file stores for it")
+        return self.file[MANIFEST][()].tobytes()
 
     def _located(self, name: str, dtype: np.dtype, nbytes: int) -> int | None:
         """The offset of dataset ``name``'s bytes by the file's table of locations, if it
