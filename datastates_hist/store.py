@@ -478,12 +478,18 @@ class StepData:
         rounded = self.decoded(rec)
         if not rec.has_low_bits:
             return rounded
+        return self._confirmed(lambda plain: self._exact(rec, rounded, plain))
+
+    def _confirmed(self, attempt):
+        """``attempt(plain=False)``; where its bytes fail their check (a mapped or batch read
+        may go by a table of byte ranges gone stale: hdf5.py), ``attempt(plain=True)``,
+        whose reads go through the reader's plain ``read``."""
         try:
-            return self._exact(rec, rounded, plain=self.plain_reads)
+            return attempt(False)
         except CorruptionError:
             if self.plain_reads:
-                raise
-            return self._exact(rec, rounded, plain=True)  # read again with the plain read (_finish)
+                raise  # its reads were plain already
+            return attempt(True)
 
     def _exact(self, rec: TensorRecord, rounded: np.ndarray, plain: bool) -> np.ndarray:
         blob = self._read_blob(rec, "restore", rec.low_stored, " (its low bits)", plain)
@@ -501,18 +507,14 @@ class StepData:
         decompressed, added to the prediction from its bases for a delta, and checked
         against its checksum (always: a part of a tensor decodes the whole of it anyway,
         and a decoded value may become the base of others); bytes from a mapped read that
-        do not check are read again with the plain read (:meth:`_finish`). ``out``: where
+        do not check are read again with the plain read (:meth:`_confirmed`). ``out``: where
         to decode it (1-D uint8 of ``rec.nbytes``);
         ``remember``: keep the value as a base of later reads; ``bases``: values of its
         bases the caller holds, ``(step, name) -> bytes`` (else they are read)."""
         bases = self._given_bases(rec, bases)
         out = self._decode_buffer(rec) if out is None else out
-        try:
-            self._decode(rec, self._read_blob(rec, rec.part, rec.stored), out, bases)
-        except CorruptionError:
-            if self.plain_reads:
-                raise
-            self._decode(rec, self._read_blob(rec, rec.part, rec.stored, plain=True), out, bases)
+        self._confirmed(lambda plain: self._decode(rec, self._read_blob(rec, rec.part, rec.stored, plain=plain),
+                                                   out, bases))
         if remember and self._bases is not None:
             self._bases.remember(self.row, rec.name, out)
         return out

@@ -1,5 +1,6 @@
 """Step files of the HDF5 backend are plain HDF5 that standard tools read."""
 
+import glob
 import json
 import os
 import shutil
@@ -314,3 +315,26 @@ def test_a_crafted_table_is_never_read_outside_the_file_nor_trusted(run_dir):
         file.write(b"\xff" * 4)
     with pytest.raises(dh.CorruptionError, match=r"tensor 'model/0.weight' of step 3 .* does not match its checksum"):
         _restored_equal(run_dir, 3, model, opt)
+
+
+def test_a_table_pointing_every_range_elsewhere_still_restores_rounded_tensors_exactly(run_dir):
+    """A restore point whose weights are rounded (keep_bits) keeps their low bits in its
+    restore unit: with every entry of both units' tables moved to the file's first bytes,
+    each tensor and each tensor's low bits fail their checksum and are read again."""
+    model, opt = _adam_step()
+    with dh.Checkpointer(run_dir, backend="hdf5", keep=dh.KeepLast(2),
+                         trajectory=dh.Trajectory("model/*", every=1, keep_bits=8)) as ckpt:
+        for step in range(3):
+            model(torch.ones(2, 64)).sum().backward()
+            opt.step()
+            ckpt.write(step, model, opt)
+    with dh.open(run_dir) as h:
+        assert h.restore_points == [1, 2]
+    units = sorted(glob.glob(os.path.join(run_dir, "steps", "000000000002*.h5")))
+    assert [os.path.basename(u) for u in units] == ["000000000002.h5", "000000000002.restore.h5"]
+    for path in units:
+        moved = {name: [0, nbytes, dtype] for name, (_, nbytes, dtype) in _locations(path).items()}
+        with h5py.File(path, "r+") as f:
+            del f["__locations__"]
+            f.create_dataset("__locations__", data=np.frombuffer(json.dumps(moved).encode(), np.uint8))
+    _restored_equal(run_dir, 2, model, opt)
