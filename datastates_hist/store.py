@@ -90,18 +90,19 @@ def _claim(spans: list[tuple[int, int]], array: np.ndarray) -> bool:
     return True
 
 
-def _waves(batch: list[TensorRecord]):
-    """``batch`` in runs of about :data:`WAVE_BYTES` stored bytes, each at least one record."""
-    wave: list[TensorRecord] = []
+def _runs(records, limit: int):
+    """``records`` in consecutive runs of at most ``limit`` stored bytes (a larger record
+    alone), none empty."""
+    run: list[TensorRecord] = []
     size = 0
-    for rec in batch:
-        if wave and size + rec.stored > WAVE_BYTES:
-            yield wave
-            wave, size = [], 0
-        wave.append(rec)
+    for rec in records:
+        if run and size + rec.stored > limit:
+            yield run
+            run, size = [], 0
+        run.append(rec)
         size += rec.stored
-    if wave:
-        yield wave
+    if run:
+        yield run
 
 
 def _shares(jobs: list[tuple], n: int) -> list[list[tuple]]:
@@ -300,15 +301,8 @@ class StepData:
         ``into``, or fresh memory); a predicted delta after the tensor it is predicted from
         (of its unit: listed first). Not remembered as bases: the caller owns what it reads."""
         wanted = sorted(wanted, key=lambda r: self.ranks.get(r.name, 0))
-        batches: list[list[TensorRecord]] = []
-        for part in {r.part for r in wanted}:
-            size = BATCH_BYTES  # each unit starts a batch of its own
-            for rec in (r for r in wanted if r.part == part):
-                if size + rec.stored > BATCH_BYTES:
-                    batches.append([])
-                    size = 0
-                batches[-1].append(rec)
-                size += rec.stored
+        batches = [batch for part in {r.part for r in wanted}  # each unit in batches of its own
+                   for batch in _runs((r for r in wanted if r.part == part), BATCH_BYTES)]
         if bases is None and self._bases is not None:  # the deltas' bases, a step at a time
             bases = self._bases.warm_bases([key for r in wanted for key in r.dependencies(self.row.step)
                                             if key[0] < self.row.step])
@@ -318,7 +312,7 @@ class StepData:
                 # bases are found here, in order (they may read and decode other steps);
                 # the decodes themselves, which touch nothing shared, run on the pool
                 decoding, decoded, given, rank = [], {}, bases, 0
-                for wave in _waves(batch):
+                for wave in _runs(batch, WAVE_BYTES):
                     with self._as_damage("the tensors"):
                         blobs = self._read_blobs(wave)
                     jobs = []
@@ -366,7 +360,11 @@ class StepData:
         fails."""
         for done in decoding:
             for rec, _, out, bases in done.result():
-                self._decode(rec, self._read_blob(rec, rec.part, rec.stored, plain=True), out, bases)
+                self._decode_read(rec, out, bases, plain=True)
+
+    def _decode_read(self, rec: TensorRecord, out: np.ndarray, bases: list[np.ndarray], plain: bool) -> None:
+        """:meth:`_decode` of ``rec``'s stored bytes, read here (``plain``: as :meth:`_read_blob`)."""
+        self._decode(rec, self._read_blob(rec, rec.part, rec.stored, plain=plain), out, bases)
 
     @contextlib.contextmanager
     def _as_damage(self, what: str, detail: str = ""):
@@ -513,8 +511,7 @@ class StepData:
         bases the caller holds, ``(step, name) -> bytes`` (else they are read)."""
         bases = self._given_bases(rec, bases)
         out = self._decode_buffer(rec) if out is None else out
-        self._confirmed(lambda plain: self._decode(rec, self._read_blob(rec, rec.part, rec.stored, plain=plain),
-                                                   out, bases))
+        self._confirmed(lambda plain: self._decode_read(rec, out, bases, plain))
         if remember and self._bases is not None:
             self._bases.remember(self.row, rec.name, out)
         return out
