@@ -499,20 +499,18 @@ class StepData:
         self._check(rec, exact, rec.exact_checksum, " (its exact value, with its low bits)")
         return exact
 
-    def decoded(self, rec: TensorRecord, out: np.ndarray | None = None,
-                remember: bool = True, bases: dict | None = None) -> np.ndarray:
+    def decoded(self, rec: TensorRecord, bases: dict | None = None) -> np.ndarray:
         """The stored bytes (1-D uint8) of encoded tensor ``rec``: its chunks read and
         decompressed, added to the prediction from its bases for a delta, and checked
         against its checksum (always: a part of a tensor decodes the whole of it anyway,
         and a decoded value may become the base of others); bytes from a mapped read that
-        do not check are read again with the plain read (:meth:`_confirmed`). ``out``: where
-        to decode it (1-D uint8 of ``rec.nbytes``);
-        ``remember``: keep the value as a base of later reads; ``bases``: values of its
-        bases the caller holds, ``(step, name) -> bytes`` (else they are read)."""
+        do not check are read again with the plain read (:meth:`_confirmed`). The value is
+        kept as a base of later reads; ``bases``: values of its bases the caller holds,
+        ``(step, name) -> bytes`` (else they are read)."""
         bases = self._given_bases(rec, bases)
-        out = self._decode_buffer(rec) if out is None else out
+        out = self._decode_buffer(rec)
         self._confirmed(lambda plain: self._decode_read(rec, out, bases, plain))
-        if remember and self._bases is not None:
+        if self._bases is not None:
             self._bases.remember(self.row, rec.name, out)
         return out
 

@@ -13,6 +13,7 @@ import torch
 
 import datastates_hist as dh
 from datastates_hist.codecs import decode
+from restoring import assert_step_restores
 
 
 def need_h5dump():
@@ -175,16 +176,6 @@ def _adam_step(seed=0):
     return model, opt
 
 
-def _restored_equal(run_dir, step, model, opt):
-    fresh = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
-    fresh_opt = torch.optim.Adam(fresh.parameters())
-    with dh.Checkpointer(run_dir) as ckpt:
-        ckpt.restore(step, model=fresh, optimizer=fresh_opt)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
-    for p, q in zip(opt.state.values(), fresh_opt.state.values()):
-        assert all(torch.equal(p[k], q[k]) for k in ("exp_avg", "exp_avg_sq"))
-
-
 def _locations(path):
     with h5py.File(path, "r") as f:
         return json.loads(f["__locations__"][()].tobytes())
@@ -228,7 +219,7 @@ def test_a_restore_reads_by_the_table_without_opening_the_datasets(run_dir, code
         return open_dataset(loc, name, *args, **kwargs)
     hdf5.h5py.h5d.open = recording
     try:
-        _restored_equal(run_dir, 3, model, opt)
+        assert_step_restores(run_dir, 3, model, opt)
     finally:
         hdf5.h5py.h5d.open = open_dataset
     assert sorted(set(opened)) == ["__locations__", "__manifest__"]
@@ -254,7 +245,7 @@ def test_a_table_gone_stale_after_another_tool_rewrote_a_dataset_still_restores(
             f[f"moved{i}"][...] = 90
             assert f[f"moved{i}"].id.get_offset() == table[name][0]
     assert _locations(path) == table  # stale
-    _restored_equal(run_dir, 3, model, opt)
+    assert_step_restores(run_dir, 3, model, opt)
     with dh.open(run_dir) as h:
         assert torch.equal(h.read("model/0.weight", 3), model[0].weight.detach())
 
@@ -284,7 +275,7 @@ def test_a_crafted_table_is_never_read_outside_the_file_nor_trusted(run_dir):
         with h5py.File(path, "r+") as f:
             del f["__locations__"]
             f.create_dataset("__locations__", data=np.frombuffer(data, np.uint8))
-        _restored_equal(run_dir, 3, model, opt)
+        assert_step_restores(run_dir, 3, model, opt)
     # a table that cannot be read as one: HDF5 is asked where each dataset lies
     good = json.dumps(table).encode()
     for make in (lambda f: f.create_group("__locations__"),
@@ -294,7 +285,7 @@ def test_a_crafted_table_is_never_read_outside_the_file_nor_trusted(run_dir):
         with h5py.File(path, "r+") as f:
             del f["__locations__"]
             make(f)
-        _restored_equal(run_dir, 3, model, opt)
+        assert_step_restores(run_dir, 3, model, opt)
     with h5py.File(path, "r+", libver="latest") as f:  # its header damaged (a version 2 header: checksummed)
         del f["__locations__"]
         f.create_dataset("__locations__", data=np.frombuffer(good, np.uint8))
@@ -307,14 +298,14 @@ def test_a_crafted_table_is_never_read_outside_the_file_nor_trusted(run_dir):
         file.write(bytes([byte[0] ^ 0x10]))
     with h5py.File(path, "r") as f, pytest.raises(KeyError, match="incorrect metadata checksum"):
         f["__locations__"]
-    _restored_equal(run_dir, 3, model, opt)
+    assert_step_restores(run_dir, 3, model, opt)
     with h5py.File(path, "r") as f:
         offset = f["model/0.weight"].id.get_offset()
     with open(path, "r+b") as file:
         file.seek(offset + 8)
         file.write(b"\xff" * 4)
     with pytest.raises(dh.CorruptionError, match=r"tensor 'model/0.weight' of step 3 .* does not match its checksum"):
-        _restored_equal(run_dir, 3, model, opt)
+        assert_step_restores(run_dir, 3, model, opt)
 
 
 def test_a_table_pointing_every_range_elsewhere_still_restores_rounded_tensors_exactly(run_dir):
@@ -337,4 +328,4 @@ def test_a_table_pointing_every_range_elsewhere_still_restores_rounded_tensors_e
         with h5py.File(path, "r+") as f:
             del f["__locations__"]
             f.create_dataset("__locations__", data=np.frombuffer(json.dumps(moved).encode(), np.uint8))
-    _restored_equal(run_dir, 2, model, opt)
+    assert_step_restores(run_dir, 2, model, opt)

@@ -11,6 +11,7 @@ import torch
 import datastates_hist as dh
 from datastates_hist.index import Index
 from datastates_hist.repair import repair_run
+from restoring import assert_step_restores
 
 
 def make_run(run_dir, backend):
@@ -37,16 +38,6 @@ def edit_index(run_dir, sql, *args):
     with conn:
         conn.execute(sql, args)
     conn.close()
-
-
-def assert_step_restores(run_dir, step, model, opt):
-    fresh = torch.nn.Linear(8, 4)
-    fresh_opt = torch.optim.Adam(fresh.parameters())
-    with dh.Checkpointer(run_dir) as ckpt:
-        ckpt.restore(step, model=fresh, optimizer=fresh_opt)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
-    for a, b in zip(opt.state.values(), fresh_opt.state.values()):
-        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
 
 
 @pytest.mark.parametrize("tier", ["full", "trajectory"])
