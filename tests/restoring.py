@@ -18,7 +18,13 @@ def assert_step_restores(run_dir, step, model, opt):
     fresh_opt = type(opt)(fresh.parameters())
     with dh.Checkpointer(run_dir) as ckpt:
         ckpt.restore(step, model=fresh, optimizer=fresh_opt)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+    assert all(same_bits(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
     assert len(opt.state) == len(fresh_opt.state)
     for a, b in zip(opt.state.values(), fresh_opt.state.values()):
-        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
+        assert all(same_bits(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes (``torch.equal`` takes -0.0 for 0.0)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))

@@ -15,10 +15,10 @@ from torch import nn
 import datastates_hist as dh
 from datastates_hist.store import Store
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 
 
-@pytest.fixture(params=DEVICES)
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=NO_CUDA)])
 def device(request):
     return torch.device(request.param)
 
@@ -78,7 +78,7 @@ def assert_same(want: dict, got: dict, step: int) -> None:
 @pytest.mark.parametrize("codec", ["delta", "raw"])
 def test_every_step_written_while_training_runs_ahead_restores_bit_exact(run_dir, backend, device, codec):
     model, opt = make(device)
-    # pieces of 64 KiB and a cache of 1 MiB, far below the state (~13 MiB): many copies,
+    # pieces of 64 KiB and a cache of 1 MiB, far below the state (about 27 MiB): many copies,
     # events and waits for space while training goes on
     ckpt = dh.Checkpointer(run_dir, backend=backend, codec=codec, keep=dh.KeepLast(100),
                            host_cache_bytes=1 << 20, piece_bytes=64 << 10)
@@ -134,7 +134,9 @@ def test_a_step_written_on_the_device_restores_into_a_model_on_the_cpu(run_dir, 
     train_step(fresh, fresh_opt, "cpu")
     with dh.Checkpointer(run_dir) as reader:
         reader.restore(0, fresh, fresh_opt, rng=False)
-    assert_same(want, state(fresh, fresh_opt), 0)
+    got = state(fresh, fresh_opt)
+    assert all(t.device.type == "cpu" for t in got.values())
+    assert_same(want, got, 0)
 
 
 def test_restore_continues_the_random_streams_of_the_device(run_dir, device):
@@ -148,3 +150,37 @@ def test_restore_continues_the_random_streams_of_the_device(run_dir, device):
     with dh.Checkpointer(run_dir) as ckpt:
         ckpt.restore(0, model)
     assert torch.equal(torch.rand(8, device=device), want)
+
+
+SLEEP_CYCLES = 200_000_000  # about 0.1 s of a GPU's clock: far longer than the copies
+
+
+@NO_CUDA
+def test_copies_are_ordered_after_the_step_before_and_before_the_step_after(run_dir, backend):
+    """The GPU is made slow on one side at a time. The training stream sleeps before each
+    optimizer step, so write() comes before that step's kernels ran: the copies must wait
+    for them (the event recorded at write()). The snapshot stream sleeps before each
+    step's copies, so the next optimizer step is issued before they ran: it must wait for
+    them (the hook's wait on the copy event)."""
+    model, opt = make("cuda")
+    ckpt = dh.Checkpointer(run_dir, backend=backend, codec="raw", keep=dh.KeepLast(100))
+    expected = {}
+    for step in range(4):
+        idx = torch.randint(0, 256, (64,), device="cuda")
+        nn.functional.cross_entropy(model(idx), idx).backward()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        expected[step] = state(model, opt)
+        stream = ckpt._pipeline._snapshotter.stream if ckpt._pipeline._snapshotter else None
+        if stream is not None:  # the side stream exists from the first snapshot on
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(SLEEP_CYCLES)
+        ckpt.write(step, model, opt)
+    ckpt.close()
+    with dh.Checkpointer(run_dir) as reader:
+        for step, want in expected.items():
+            fresh, fresh_opt = make("cuda", seed=step + 100)
+            train_step(fresh, fresh_opt, "cuda")
+            reader.restore(step, fresh, fresh_opt)
+            assert_same(want, state(fresh, fresh_opt), step)

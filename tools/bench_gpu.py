@@ -1,31 +1,42 @@
 #!/usr/bin/env python3
-"""Snapshot bandwidth and every-step checkpointing overhead of datastates-hist on one CUDA GPU.
+"""Snapshot bandwidth and checkpointing overhead of datastates-hist on a CUDA GPU.
 
-    python tools/bench_gpu.py [--gb 2] [--steps 20] [--warmup 3] [--reps 5] [--target /dev/shm] [--json]
-    python tools/bench_gpu.py --quick          # smoke run: 0.5 GB of parameters, 8 steps
-    python tools/bench_gpu.py --codec raw --save gpu.json   # tensors stored uncompressed; JSON kept too
+    python tools/bench_gpu.py [--gb 2] [--steps 20] [--warmup 3] [--reps 5]
+                              [--every 1] [--backend adios2] [--codec delta]
+                              [--target /dev/shm] [--save FILE] [--json]
+    python tools/bench_gpu.py --quick   # smoke run: 0.5 GB of parameters
 
-Model: ``Linear(width, width)`` layers with ReLU between them, ``--gb`` GB of float32 parameters
-on the GPU, Adam (``foreach=True``), random inputs made on the GPU. State: the parameters and
-Adam's two moments (3x the parameters).
+Model: ``Linear(width, width)`` layers with ReLU between them, ``--gb`` GB of
+float32 parameters on the GPU, Adam (``foreach=True``), random inputs made on
+the GPU. State: the parameters and Adam's two moments (3x the parameters).
 
-1. Device-to-host snapshot: the state's bytes over the median time of ``--reps`` repetitions
-   (after an untimed one) of, raw, ``host.copy_(dev, non_blocking=True)`` of every tensor into
-   its own pinned buffer and ``torch.cuda.synchronize()``; and of ``ckpt.write(step, model,
-   optimizer)``, ``ckpt.wait_snapshot()`` (it returns once the copies are issued on the snapshot
-   stream) and ``torch.cuda.synchronize()`` (until they are done), into a pinned host cache of
-   the state + 10%, empty at each repetition (the last step is waited for until committed,
-   untimed). Also: the time ``write()`` blocks, the first write (it allocates the cache) and
-   ``write()`` until committed (the flush rate to ``--target``).
-2. Overhead: the mean step time (forward, backward, optimizer step, ``torch.cuda.synchronize()``)
-   of ``--steps`` steps after ``--warmup``, with no checkpointing and with ``ckpt.write`` every
-   step (or every ``--every`` steps), and their ratio (target <= 1.03), the slowest step's against the mean without
-   checkpointing (every iteration counts, not only the mean); the blocked time per step (``write()`` and the hooks'
-   waits) and the drain time of ``ckpt.close()``. The cache holds one checkpoint, so a step takes
-   at least the flush time of one: the ratio is at least that over the step time.
+1. Device-to-host snapshot: the state's bytes over the median time of
+   ``--reps`` repetitions (after an untimed one) of, raw, ``host.copy_(dev,
+   non_blocking=True)`` of every tensor into its own pinned buffer and
+   ``torch.cuda.synchronize()``; and of ``ckpt.write(step, model, optimizer)``,
+   ``ckpt.wait_snapshot()`` (it returns once the copies are issued on the
+   snapshot stream) and ``torch.cuda.synchronize()`` (until they are done),
+   into a pinned host cache of the state + 10%, empty at each repetition (each
+   step is then waited for until committed, untimed). Also: the time
+   ``write()`` blocks, the first write (it allocates the cache), ``write()``
+   until committed (the flush rate to ``--target``), and one synchronous
+   ``torch.save`` of the same state to ``--target``, for comparison.
+2. Overhead: the mean step time (forward, backward, optimizer step,
+   ``torch.cuda.synchronize()``) of ``--steps`` steps after ``--warmup``, with
+   no checkpointing and with ``ckpt.write`` every ``--every`` steps (the first
+   timed step writes one; with ``--every 1`` the warm-up steps write too), and
+   their ratio (target <= 1.03); the slowest step against the mean without
+   checkpointing (every iteration counts, not only the mean); the time training
+   is blocked (``write()`` and the hooks' waits) per step and per checkpoint;
+   the drain time of ``ckpt.close()``; the tensors stored raw to keep up. The
+   cache holds one checkpoint, so when checkpoints come faster than the flush
+   writes them, a checkpoint waits for the previous one's flush: choose
+   ``--every`` and ``--steps`` so that every timed checkpoint's flush ends
+   within the timed steps.
 
-The run directory is made under ``--target`` and removed at the end; a thread prunes all but the
-newest committed step as training goes (as an every-step run must): room for 3 checkpoints.
+The run directory is made under ``--target`` and removed at the end; a thread
+prunes all but the newest committed step as training goes (as an every-step run
+must): room for 3 checkpoints.
 """
 
 from __future__ import annotations
@@ -56,11 +67,12 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def train(model, opt, args, ckpt=None, step0: int = 0) -> tuple[float, float, float]:
-    """Mean and slowest step time after the warm-up, and the blocked time per step (with ``ckpt``)."""
+def train(model, opt, args, ckpt=None, step0: int = 0) -> tuple[float, float, float, int]:
+    """Mean and slowest step time after the warm-up; with ``ckpt``, the time training was
+    blocked over the timed steps and the checkpoints written in them."""
     import torch
 
-    times, blocked0 = [], 0.0
+    times, blocked0, written = [], 0.0, 0
     for i in range(args.warmup + args.steps):
         if i == args.warmup and ckpt is not None:
             blocked0 = ckpt.blocked_seconds
@@ -70,12 +82,13 @@ def train(model, opt, args, ckpt=None, step0: int = 0) -> tuple[float, float, fl
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        if ckpt is not None and i % args.every == 0:
+        if ckpt is not None and (i - args.warmup) % args.every == 0:
             ckpt.write(step0 + i, model, opt)
+            written += i >= args.warmup
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    blocked = (ckpt.blocked_seconds - blocked0) / args.steps if ckpt is not None else 0.0
-    return statistics.mean(times), max(times), blocked
+    blocked = ckpt.blocked_seconds - blocked0 if ckpt is not None else 0.0
+    return statistics.mean(times), max(times), blocked, written
 
 
 def raw_copy(tensors, reps: int) -> float:
@@ -187,7 +200,7 @@ def main() -> None:
     model = torch.nn.Sequential(*mods[:-1])
     opt = torch.optim.Adam(model.parameters(), lr=1e-5, foreach=True)
     log(f"{layers} x Linear({w}, {w}), state {state / GB:.2f} GB: training without checkpointing")
-    base_s, base_max_s, _ = train(model, opt, args)  # also creates Adam's state
+    base_s, base_max_s, _, _ = train(model, opt, args)  # also creates Adam's state
     tensors = [q.detach() for q in model.parameters()] + [
         v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.is_cuda]
     state = sum(t.numel() * t.element_size() for t in tensors)  # the same, counted
@@ -210,13 +223,14 @@ def main() -> None:
         stop = threading.Event()
         pruner = threading.Thread(target=prune_until, args=(stop, prune), name="bench-prune", daemon=True)
         pruner.start()
-        dh_s, dh_max_s, blocked = train(model, opt, args, ckpt, step0=args.reps + 1)
+        raw0 = ckpt.raw_to_keep_up
+        dh_s, dh_max_s, blocked, written = train(model, opt, args, ckpt, step0=args.reps + 1)
         stop.set()
         pruner.join()
         t0 = time.perf_counter()
-        raw_to_keep_up = ckpt.raw_to_keep_up
         ckpt.close()
         drain = time.perf_counter() - t0
+        raw_to_keep_up = ckpt.raw_to_keep_up - raw0  # those of the training steps, the drain's too
         index.close()
     finally:
         shutil.rmtree(run, ignore_errors=True)
@@ -232,7 +246,9 @@ def main() -> None:
                             "flush_GBps": state / snap["commit_s"] / GB},
         "e2e": {"steps": args.steps, "warmup": args.warmup, "none_step_s": base_s, "dh_step_s": dh_s,
                 "ratio": dh_s / base_s, "target_ratio": 1.03, "none_max_step_s": base_max_s,
-                "dh_max_step_s": dh_max_s, "max_ratio": dh_max_s / base_s, "blocked_per_step_s": blocked,
+                "dh_max_step_s": dh_max_s, "max_ratio": dh_max_s / base_s, "checkpoints": written,
+                "blocked_per_step_s": blocked / args.steps,
+                "blocked_per_checkpoint_s": blocked / written if written else None,
                 "close_drain_s": drain, "raw_to_keep_up": raw_to_keep_up},
     }
     if args.save:
@@ -247,8 +263,9 @@ def main() -> None:
         print(f"{label:<44} {ms:>9.1f}" + "".join(f" {c:>7.3f}" for c in cells) + note)
 
     print(f"GPU {report['gpu']}, torch {report['torch']}, CUDA {report['cuda']}")
-    print(f"model {layers} x Linear({w}, {w}) float32, batch {args.batch}; state {state / GB:.2f} GB "
-          f"(parameters + Adam), host cache {cache / GB:.2f} GB, {args.backend}, codec {args.codec}, run on {args.target}")
+    print(f"model {layers} x Linear({w}, {w}) float32, batch {args.batch}")
+    print(f"state {state / GB:.2f} GB (parameters + Adam), host cache {cache / GB:.2f} GB")
+    print(f"{args.backend}, codec {args.codec}, run on {args.target}")
     print(f"\n{f'device-to-host snapshot, median of {args.reps}':<44} {'ms':>9} {'GB/s':>7} {'x raw':>7}")
     row("raw copy_ to pinned buffers", raw_s * 1e3, state / raw_s / GB, 1.0)
     row("datastates-hist write + wait_snapshot", d["seconds"] * 1e3, d["GBps"], d["vs_raw"])
@@ -262,7 +279,9 @@ def main() -> None:
     row(f"ckpt.write {every}", dh_s * 1e3, dh_s / base_s, note="  (target <= 1.03)")
     row("  slowest step, x no checkpointing's mean", dh_max_s * 1e3, dh_max_s / base_s)
     row("  slowest step without checkpointing", base_max_s * 1e3, base_max_s / base_s)
-    row("  blocked per step (write and hooks)", blocked * 1e3)
+    row("  blocked per step (write and hooks)", blocked / args.steps * 1e3)
+    if written:
+        row(f"  blocked per checkpoint ({written} timed)", blocked / written * 1e3)
     row("  close() drain", drain * 1e3)
     print(f"tensors stored raw to keep up with training: {raw_to_keep_up}")
 
