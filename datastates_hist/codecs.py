@@ -61,6 +61,13 @@ SHUFFLE = blosc2.Filter.SHUFFLE
 # element are zero, long runs that bit planes keep (small GPT, weights' deltas: 0.504 of the
 # raw bytes byte-shuffled, 0.497 bit-shuffled; exp_avg_sq predicted 0.055 -> 0.037).
 GROUPED_SHUFFLE = blosc2.Filter.BITSHUFFLE
+# ... and its block split into one zstd stream per byte of the element (blosc2's own choice
+# for zstd is one stream): each stream holds 8 bit planes alike, and zstd finds their runs
+# sooner. Small GPT, grouped residuals: the same bytes (weights 0.497 -> 0.496), compressed
+# 14% faster for the weights, 4% for exp_avg, 20% for exp_avg_sq; decoded as fast. Not a
+# rounded tensor's: split, its residuals took 0.102 of their raw bytes instead of 0.074
+# (weights, keep_bits=8).
+GROUPED_SPLIT = blosc2.SplitMode.ALWAYS_SPLIT
 
 # Explicit mantissa bits, and the unsigned type holding the bit pattern, per float dtype.
 _MANTISSA_BITS = {"float32": 23, "float64": 52, "bfloat16": 7, "float16": 10}
@@ -251,12 +258,16 @@ class _NormAccumulator:
 
 
 @functools.cache
-def _cparams(typesize: int, shuffle: blosc2.Filter = SHUFFLE) -> dict:
-    """blosc2's compression parameters for elements of ``typesize`` bytes, as the dict that
-    ``compress2`` takes (given a ``CParams``, it converts it with ``dataclasses.asdict``
-    at every call: 23 ms per checkpoint of the small GPT)."""
+def _cparams(typesize: int, grouped: bool = False, split: bool = False) -> dict:
+    """blosc2's compression parameters for elements of ``typesize`` bytes (``grouped``: of
+    a grouped residual; ``split``: in one stream per byte of the element), as the dict that
+    ``compress2`` takes (given a ``CParams``, it converts it with ``dataclasses.asdict`` at
+    every call: 23 ms per checkpoint of the small GPT)."""
+    extra = {"filters": [GROUPED_SHUFFLE if grouped else SHUFFLE]}
+    if split:
+        extra["splitmode"] = GROUPED_SPLIT
     return dataclasses.asdict(blosc2.CParams(codec=blosc2.Codec.ZSTD, clevel=CLEVEL, typesize=typesize,
-                                             nthreads=1, filters=[shuffle], blocksize=CHUNK_BYTES))
+                                             nthreads=1, blocksize=CHUNK_BYTES, **extra))
 
 
 class Encoder:
@@ -282,7 +293,7 @@ class Encoder:
         # bit-shuffled, a grouped residual's zero low bits cost as little unshifted (the
         # small GPT's rounded weights: 0.25% less): shifting is for ungrouped chunks
         self.drop = drop if delta and not self.grouped else 0
-        self._cparams = _cparams(self.itemsize, GROUPED_SHUFFLE if self.grouped else SHUFFLE)
+        self._cparams = _cparams(self.itemsize, self.grouped, split=self.grouped and not drop)
         self._stored: list[bytes] = []
         self._chunks: list[list[int]] = []
         self._residual_buf = np.empty(0, np.uint8)

@@ -360,8 +360,8 @@ def test_round_mantissa_refuses_values_of_another_dtype():
 # -- the GIL -------------------------------------------------------------------------
 
 def test_encoding_and_decoding_release_the_gil(monkeypatch):
-    """Each compression, decompression and residual pass of add() and decode() lets another
-    thread run. With a switch interval longer than the test, a spinner thread runs only
+    """Each compression, decompression, residual and grouping pass of add() and decode() lets
+    another thread run. With a switch interval longer than the test, a spinner thread runs only
     while the main thread has released the GIL (it gives it back at every iteration, in
     time.sleep(0)), so a call across which its counter moved released it: a test of the
     GIL, not of timing, however busy the machine. blosc2's compression held the GIL unless
@@ -390,7 +390,7 @@ def test_encoding_and_decoding_release_the_gil(monkeypatch):
         monkeypatch.setattr(owner, name, watched)
 
     for owner, name in ((blosc2, "compress2"), (blosc2, "decompress2"), (codecs._fused, "residual"),
-                        (codecs._fused, "unresidual")):
+                        (codecs._fused, "group"), (codecs._fused, "unresidual")):
         if owner is not None:
             watch(owner, name)
     held = bytes(256 << 20)
@@ -419,9 +419,9 @@ def test_encoding_and_decoding_release_the_gil(monkeypatch):
         spinner.join()
         sys.setswitchinterval(interval)
     assert not held_ran  # the spinner cannot run while the GIL is held
-    expected = {"compress2", "decompress2"} | ({"residual", "unresidual"} if codecs._fused else set())
+    expected = {"compress2", "decompress2"} | ({"residual", "group", "unresidual"} if codecs._fused else set())
     assert set(ran) == expected, ran
-    # 16 calls of each residual kernel, 32 of compression and decompression. A function
+    # 16 calls of each kernel, 32 of compression and decompression. A function
     # that holds the GIL never lets the spinner run; one that releases it may still miss
     # it in a short call on a busy machine (7 calls of 16 with two processes spinning
     # beside the test on two cores), never in all of them.
@@ -482,6 +482,31 @@ def test_a_float_delta_is_stored_grouped_by_the_exponent_of_its_base(dtype):
     assert np.array_equal(stored[True][0], stored[False][0][order])
     if dtype in ("float32", "float64"):  # Adam's weights: grouped is smaller
         assert stored[True][1] < stored[False][1], (stored[True][1], stored[False][1])
+
+
+def test_a_grouped_chunk_is_split_per_element_byte_and_a_reader_follows_either_split_mode():
+    """docs/format.md: a writer MAY choose the split mode (the Blosc2 header records it);
+    datastates-hist splits a grouped chunk into one stream per element byte, except a
+    rounded tensor's (whose zero low bit planes compress better in one stream), and a chunk
+    written either way decodes the same."""
+    dont_split = 0x10  # the Blosc2 header's flags byte (offset 2)
+    previous, current = _stored(PREVIOUS, "float32"), _stored(CURRENT, "float32")
+    rounded = [codecs.round_mantissa(a.view(np.float32), "float32", 8).view(np.uint8) for a in (previous, current)]
+    for (base, x), drop, split in [((previous, current), 0, True), (rounded, 15, False)]:
+        encoder = Encoder("float32", delta=True, drop=drop)
+        encoder.add(x, base)
+        blob, chunks, _ = encoder.finish()
+        assert [c[2] for c in chunks] == [codecs.GROUPED]
+        assert bool(blob[2] & dont_split) is not split
+        residual = np.empty(x.size, np.uint8)
+        blosc2.decompress2(blob.tobytes(), dst=residual)
+        other = blosc2.SplitMode.NEVER_SPLIT if split else blosc2.SplitMode.ALWAYS_SPLIT
+        again = np.frombuffer(blosc2.compress2(residual, **{**codecs._cparams(4, True), "splitmode": other}), np.uint8)
+        assert bool(again[2] & dont_split) is split
+        for stored in (blob, again):
+            out = np.empty(x.size, np.uint8)
+            decode(stored, [[x.size, stored.size, codecs.GROUPED]], 4, out, base, dtype="float32")
+            assert np.array_equal(out, x)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64"])
