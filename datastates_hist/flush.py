@@ -206,12 +206,15 @@ class Flusher:
         digest = step.digests[piece.index]
         encoding = step.encodings.get(piece.index)
         writer = step.writer(piece.index)
-        if piece.region is not None:
-            if piece.copied is not None:
-                piece.copied.synchronize()
-            raw = self.cache.array(piece.region)
-            if not piece.owner or piece.at:  # one of several small tensors in the region
-                raw = raw[piece.at:piece.at + max(math.prod(piece.count), 1) * sdtype.itemsize]
+        if piece.data is not None or piece.region is not None:
+            if piece.data is not None:  # an immutable tensor's piece, in its own memory
+                raw = piece.data
+            else:
+                if piece.copied is not None:
+                    piece.copied.synchronize()
+                raw = self.cache.array(piece.region)
+                if not piece.owner or piece.at:  # one of several small tensors in the region
+                    raw = raw[piece.at:piece.at + max(math.prod(piece.count), 1) * sdtype.itemsize]
             array = raw.view(sdtype).reshape(piece.count)
             if piece.digest is None:
                 digest.update(array, t.dtype)
@@ -220,9 +223,12 @@ class Flusher:
                 encoding.add(raw.reshape(-1), compress=encoding.lossy is not None or not self._behind(step.ckpt))
             else:
                 writer.put(item.name, array, piece.start)
-                if not writer.writes_at_put:
-                    step.kept_regions.add(id(piece.region))
-            if piece.owner:  # the region's last piece
+                if not writer.writes_at_put:  # held until written out
+                    if piece.data is not None:
+                        self._hold(step, raw, raw.size, writer)
+                    else:
+                        step.kept_regions.add(id(piece.region))
+            if piece.region is not None and piece.owner:  # the region's last piece
                 if id(piece.region) in step.kept_regions:
                     step.kept_regions.discard(id(piece.region))
                     self._hold(step, piece.region, piece.region.nbytes, writer)

@@ -51,6 +51,9 @@ class TensorItem:
             tensor, its global shape and the offset of this shard in it.
         predictor: how the tensor follows from others of the same object
             (:mod:`.predictors`; names relative to the object), for its deltas.
+        immutable: True when nothing changes the tensor until its checkpoint is
+            committed (a tensor read from a file for an import): a host tensor is
+            then written from its own memory, with no copy into the host cache.
     """
 
     name: str
@@ -59,6 +62,7 @@ class TensorItem:
     global_shape: tuple[int, ...] | None = None
     offset: tuple[int, ...] | None = None
     predictor: dict | None = None
+    immutable: bool = False
 
 
 @dataclass

@@ -4,7 +4,8 @@
 snapshot thread copies tensors into the host cache (device-to-host on a side
 CUDA stream ordered after the training stream by an event; host-to-host for
 CPU tensors, with ``copy_``, which releases the GIL), piece by piece, and
-hands each piece to the flusher. Volatile tensors (buffers changed by forward)
+hands each piece to the flusher; an immutable host tensor (one read from a file
+for an import) is handed on in its own memory, uncopied. Volatile tensors (buffers changed by forward)
 are copied first; the pipeline's hooks wait on :attr:`volatile_done` before
 the next forward and on :attr:`snapshot_done` before the next optimizer step.
 """
@@ -54,7 +55,8 @@ class PendingCheckpoint:
 
 @dataclass
 class Piece:
-    """A box of one tensor, copied into ``region`` of the host cache."""
+    """A box of one tensor, copied into ``region`` of the host cache (or, of an immutable
+    tensor, ``data``: its bytes in the tensor's own memory)."""
 
     ckpt: PendingCheckpoint
     index: int  # of the tensor in ckpt.tensors
@@ -66,6 +68,7 @@ class Piece:
     at: int = 0  # byte offset of this piece in the region (small tensors share one)
     owner: bool = True  # the piece whose write gives the region back
     digest: Digest | None = None  # the tensor's running digest, this piece already added
+    data: np.ndarray | None = None  # the bytes of an immutable tensor's piece, in its own memory
 
 
 # What the snapshot thread tells the flusher thread, in order: per checkpoint one
@@ -193,6 +196,8 @@ class Snapshotter:
                     small, small_bytes = self._copy_small(ckpt, small, cuda), 0
                 small.append((index, t))
                 small_bytes += aligned(nbytes)
+            elif nbytes and item.immutable and not t.is_cuda and t.is_contiguous():
+                self._hand_on_tensor(ckpt, index, t)
             else:
                 self._copy_tensor(ckpt, index, t, cuda)
         if ckpt.error is None:
@@ -241,6 +246,22 @@ class Snapshotter:
             piece.copied = event
         self.out.put(Pieces(batch))
         return []
+
+    def _hand_on_tensor(self, ckpt: PendingCheckpoint, index: int, t: torch.Tensor) -> None:
+        """An immutable host tensor's pieces, handed on in its own memory: no region of
+        the cache, no copy (half the time of a copy and digest in one pass); the digest
+        read alone."""
+        src = _storage_view(t).numpy()
+        boxes = list(pieces(tuple(t.shape), src.itemsize, self.piece_bytes))
+        digest = Digest()
+        for k, (start, count) in enumerate(boxes):
+            if ckpt.error is not None:
+                return
+            box = src[tuple(slice(s, s + c) for s, c in zip(start, count))] if count else src
+            data = box.reshape(-1).view(np.uint8)
+            digest.update(box, t.dtype)
+            self.out.put(Pieces([Piece(ckpt, index, None, start, count, k == len(boxes) - 1,
+                                       digest=digest, data=data)]))
 
     def _copy_tensor(self, ckpt: PendingCheckpoint, index: int, t: torch.Tensor, cuda: bool) -> None:
         src = _storage_view(t)

@@ -833,3 +833,40 @@ def test_dcp_metadata_cannot_set_attributes_of_a_class(tmp_path, capsys):
         "it could run code (Unsupported BUILD: setting the attributes of <class 'pathlib.PosixPath'>)\n")
     assert pathlib.PosixPath.read_text is pathlib.Path.read_text and callable(pathlib.PosixPath.read_text)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("codec", ["raw", "delta"])
+def test_large_tensors_are_written_from_their_own_memory_bit_exact(tmp_path, backend, codec, capsys):
+    """Tensors read from a source are written from their own memory in pieces, not copied into
+    the host cache: bit-exact (float32 split by rows, a bfloat16 tensor split inside a row, deltas
+    against the step before), their checksums verified, the cache holding only the small ones and
+    a transposed tensor, which is copied as a training run's are."""
+    from datastates_hist import Checkpointer
+    from datastates_hist.importing import ModelState, OptimizerState
+
+    torch.manual_seed(0)
+    run = tmp_path / "run"
+    ckpt = Checkpointer(run, backend=backend, codec=codec, piece_bytes=64 << 10, host_cache_bytes=1 << 20)
+    states = []
+    for step in (1, 2):
+        model = {"w": torch.randn(96, 1000), "b": torch.randn(5), "t": torch.randn(300, 96).t(),
+                 "e": torch.randn(2, 40, 1000).to(torch.bfloat16), "empty": torch.zeros(0, 7)}
+        optimizer = {"state": {0: {"exp_avg": torch.randn(96, 1000), "step": torch.tensor(float(step))}},
+                     "param_groups": [{"params": [0], "lr": 0.1}]}
+        ckpt.write(step, ModelState(model), OptimizerState(optimizer, "AdamW"))
+        states.append((model, optimizer))
+    ckpt.wait()
+    large = sum(t.numel() * t.element_size() for t in (*states[0][0].values(), states[0][1]["state"][0]["exp_avg"]))
+    transposed = 2 * states[0][0]["t"].numel() * 4
+    assert transposed <= ckpt._pipeline.cache.allocated < transposed + large // 10
+    ckpt.close()
+    with dh.open(run) as h:
+        assert h.steps == [1, 2]
+        for step, (model, optimizer) in zip((1, 2), states):
+            for name, t in model.items():
+                assert_bit_equal(h.read(f"model/{name}", step), t)
+            assert_bit_equal(h.read("optim/state/@0/exp_avg", step), optimizer["state"][0]["exp_avg"])
+        encodings = h.tensors(2).set_index("name")["encoding"]
+        assert encodings["model/w"] == ("raw" if codec == "raw" else "delta")
+    code, out, err = cli(capsys, "verify", run)
+    assert (code, err) == (0, "")

@@ -67,7 +67,7 @@ class ModelStateProvider(StateProvider):
 
     def items(self, state, ctx):
         for name, t in state.items():
-            yield TensorItem(name, t)
+            yield TensorItem(name, t, immutable=True)  # read from a file: nothing changes it
 
     def load(self, state, stored, ctx):
         return {name: stored.tensor(name) for name in stored.records}
@@ -106,7 +106,7 @@ class OptimizerStateProvider(StateProvider):
             pname = names.get(str(key), f"@{key}")
             for state_key, v in entry.items():
                 if isinstance(v, torch.Tensor):
-                    yield TensorItem(f"state/{pname}/{state_key}", v)
+                    yield TensorItem(f"state/{pname}/{state_key}", v, immutable=True)
                 else:
                     scalars.setdefault(pname, {})[state_key] = values.encode(v, f"state/{pname}/{state_key}")
         yield ValueItem("state", scalars)
