@@ -300,4 +300,5 @@ class Flusher:
                 self.anchors.committed()
                 self.anchors.drop(self.committer.removed)  # by retention just now
             self._release()
+            ckpt.snapshot_done.set()  # a snapshot of tensors handed on in their own memory ends here
             ckpt.done.set()

@@ -47,6 +47,9 @@ class PendingCheckpoint:
     issued: float = field(default_factory=time.time)
     plan: Any = None  # retention.StepPlan: in which unit each tensor goes, and how it is encoded
     cache_end: int | None = None  # the cache's ``allocated`` once this snapshot was copied
+    # pieces handed on in the tensors' own memory (immutable ones): the snapshot is done, and
+    # the next write() may read its tensors, only once the flusher is done with them
+    handed_on: bool = False
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
@@ -170,7 +173,8 @@ class Snapshotter:
             finally:
                 ckpt.cache_end = self.cache.allocated
                 ckpt.volatile_done.set()
-                ckpt.snapshot_done.set()
+                if not ckpt.handed_on:  # else the flusher says when it is done with them
+                    ckpt.snapshot_done.set()
                 self.out.put(End(ckpt))
 
     def _copy(self, ckpt: PendingCheckpoint) -> None:
@@ -250,7 +254,10 @@ class Snapshotter:
     def _hand_on_tensor(self, ckpt: PendingCheckpoint, index: int, t: torch.Tensor) -> None:
         """An immutable host tensor's pieces, handed on in its own memory: no region of
         the cache, no copy (half the time of a copy and digest in one pass); the digest
-        read alone."""
+        read alone. The cache no longer bounds what is in flight, so the snapshot counts
+        as done once the step is committed: the next ``write()`` waits for that, and an
+        import holds at most the source being written and the next one."""
+        ckpt.handed_on = True
         src = _storage_view(t).numpy()
         boxes = list(pieces(tuple(t.shape), src.itemsize, self.piece_bytes))
         digest = Digest()

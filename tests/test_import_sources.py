@@ -840,7 +840,8 @@ def test_large_tensors_are_written_from_their_own_memory_bit_exact(tmp_path, bac
     """Tensors read from a source are written from their own memory in pieces, not copied into
     the host cache: bit-exact (float32 split by rows, a bfloat16 tensor split inside a row, deltas
     against the step before), their checksums verified, the cache holding only the small ones and
-    a transposed tensor, which is copied as a training run's are."""
+    a transposed tensor, which is copied as a training run's are. A write waits until the step
+    before it is committed: no cache bounds what is in flight."""
     from datastates_hist import Checkpointer
     from datastates_hist.importing import ModelState, OptimizerState
 
@@ -855,6 +856,8 @@ def test_large_tensors_are_written_from_their_own_memory_bit_exact(tmp_path, bac
                      "param_groups": [{"params": [0], "lr": 0.1}]}
         ckpt.write(step, ModelState(model), OptimizerState(optimizer, "AdamW"))
         states.append((model, optimizer))
+        # no cache bounds the tensors in flight: a write waits until the previous step's are written
+        assert set(range(1, step)) <= set(ckpt.steps())  # this step's may be committed too
     ckpt.wait()
     large = sum(t.numel() * t.element_size() for t in (*states[0][0].values(), states[0][1]["state"][0]["exp_avg"]))
     transposed = 2 * states[0][0]["t"].numel() * 4
