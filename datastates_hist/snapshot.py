@@ -5,9 +5,10 @@ snapshot thread copies tensors into the host cache (device-to-host on a side
 CUDA stream ordered after the training stream by an event; host-to-host for
 CPU tensors, with ``copy_``, which releases the GIL), piece by piece, and
 hands each piece to the flusher; an immutable host tensor (one read from a file
-for an import) is handed on in its own memory, uncopied. Volatile tensors (buffers changed by forward)
-are copied first; the pipeline's hooks wait on :attr:`volatile_done` before
-the next forward and on :attr:`snapshot_done` before the next optimizer step.
+for an import) is handed on in its own memory, uncopied. Volatile tensors
+(buffers changed by forward) are copied first; the pipeline's hooks wait on
+:attr:`volatile_done` before the next forward and on :attr:`snapshot_done`
+before the next optimizer step.
 """
 
 from __future__ import annotations
@@ -258,13 +259,13 @@ class Snapshotter:
         as done once the step is committed: the next ``write()`` waits for that, and an
         import holds at most the source being written and the next one."""
         ckpt.handed_on = True
-        src = _storage_view(t).numpy()
-        boxes = list(pieces(tuple(t.shape), src.itemsize, self.piece_bytes))
+        src = _storage_view(t)
+        boxes = list(pieces(tuple(t.shape), storage_dtype(t.dtype).itemsize, self.piece_bytes))
         digest = Digest()
         for k, (start, count) in enumerate(boxes):
             if ckpt.error is not None:
                 return
-            box = src[tuple(slice(s, s + c) for s, c in zip(start, count))] if count else src
+            box = (_box(src, start, count) if count else src).numpy()
             data = box.reshape(-1).view(np.uint8)
             digest.update(box, t.dtype)
             self.out.put(Pieces([Piece(ckpt, index, None, start, count, k == len(boxes) - 1,
