@@ -9,6 +9,7 @@ through snapshot -> flush -> commit in the background, and :mod:`layout` /
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import os
 import sys
@@ -22,7 +23,7 @@ from .commit import Committer, remove_uncommitted
 from .errors import CheckpointError, CorruptionError, StepNotFoundError, StepOrderError
 from .group import as_group
 from .index import Index
-from .layout import MAX_STEP, finished_units, index_path, steps_dir, take_writer_lock
+from .layout import MAX_STEP, WRITER_LOCK, finished_units, index_path, steps_dir, take_writer_lock
 from .pipeline import Pipeline, checkpoint_failed
 from .restore import Restored, restore_step
 from .retention import Retention, check_codec, check_policy, check_trajectory, key_every_count
@@ -141,6 +142,8 @@ class Checkpointer:
             raise PermissionError(f"cannot create the run directory {self.path}: {exc.strerror}") from exc
         if not os.access(self.path, os.W_OK):
             raise PermissionError(f"the run directory {self.path} is not writable: {_why_not_writable(self.path)}")
+        lock_path = os.path.join(self.path, WRITER_LOCK)
+        new_lock = not os.path.lexists(lock_path)
         self._lock_fd = take_writer_lock(self.path)
         try:
             _check_index_exists(self.path)
@@ -148,6 +151,9 @@ class Checkpointer:
             get_backend(self.index.backend(backend))
             remove_uncommitted(steps_dir(self.path), self.index)
         except BaseException:
+            if new_lock:  # a refused open leaves the folder as it found it (removed while still held)
+                with contextlib.suppress(OSError):
+                    os.unlink(lock_path)
             self._give_back()
             raise
 

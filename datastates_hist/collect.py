@@ -160,8 +160,14 @@ def check_name(name: str, kind: str = "tensor") -> None:
         raise ValueError(f"{kind} {name!r} is not valid Unicode (it holds a lone surrogate)") from None
 
 
+# the most dimensions a stored tensor may have: HDF5's limit (H5S_MAX_RANK), under
+# numpy's 64 and ADIOS2's; the same for every backend, so that a run can be exported
+MAX_DIMS = 32
+
+
 def _check_tensor(name: str, t: torch.Tensor) -> None:
-    if t.layout is torch.strided and not (t.is_meta or t.is_nested) and t.dtype in STORABLE:
+    if t.layout is torch.strided and not (t.is_meta or t.is_nested) and t.dtype in STORABLE \
+            and t.dim() <= MAX_DIMS:
         return  # the common case, in a fraction of the checks below (write() runs every step)
     if t.is_meta:
         raise ValueError(f"tensor {name!r} is on the meta device and has no data to checkpoint")
@@ -173,6 +179,8 @@ def _check_tensor(name: str, t: torch.Tensor) -> None:
         storage_dtype(t.dtype)
     except TypeError:
         raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which cannot be stored") from None
+    if t.dim() > MAX_DIMS:
+        raise ValueError(f"tensor {name!r} has {t.dim()} dimensions; a stored tensor has at most {MAX_DIMS}")
 
 
 def _check_shard(name: str, item: TensorItem) -> None:

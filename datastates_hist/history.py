@@ -77,6 +77,15 @@ class History:
         if MODEL_PREFIX + name in names:
             return MODEL_PREFIX + name
         where = f"step {step}" if step is not None else "any step"
+        row = self.store.index.step_row(step) if step is not None else None
+        if row is not None and row.tier == "trajectory":
+            kept = set(self.names())
+            if name in kept or MODEL_PREFIX + name in kept:  # a restore point's tensor: let go of here
+                points = self.store.restore_points()
+                near = min(points, key=lambda p: abs(p - step), default=None)
+                raise KeyError(f"no tensor {name!r} in step {step} of {self.path}: it is a trajectory point, which "
+                               "keeps only the trajectory's tensors" +
+                               (f"; the nearest restore point is step {near}" if near is not None else ""))
         raise KeyError(f"no tensor {name!r} in {where} of {self.path}{close_hint(name, sorted(names))}")
 
     def stats(self, name: str):
@@ -185,17 +194,18 @@ class History:
         rows: list | None = None  # the scalars, read once and only if needed
         columns: dict[str, pd.Series] = {}
         for name in wanted:
-            glob = any(c in name for c in "*?[")
-            found_tensors = ([t for t in tensors if matches(t, [name])] if glob
-                             else [t for t in (name, MODEL_PREFIX + name) if t in tensors][:1])
+            exact = [t for t in (name, MODEL_PREFIX + name) if t in tensors][:1]
+            glob = any(c in name for c in "*?[") and not exact  # a name holding '[' is itself first
+            found_tensors = [t for t in tensors if matches(t, [name])] if glob else exact
             for t in found_tensors:
                 columns.setdefault(t, self.stats(t)[stat].rename(t))
             if found_tensors and not glob:
                 continue
             rows = self._scalar_rows() if rows is None else rows
             known = sorted({n for _, n, _ in rows})
-            found_scalars = ([n for n in known if matches_scalar(n, [name])] if glob
-                             else [full] if (full := resolve_scalar(name, known)) else [])
+            full = resolve_scalar(name, known)
+            found_scalars = ([full] if full else [n for n in known if matches_scalar(n, [name])] if glob
+                             else [])
             if not found_tensors and not found_scalars:
                 hint = close_hint(name, known + tensors)
                 raise KeyError(f"no tensor matches {name!r} in {self.path}, nor a scalar{hint}" if glob
@@ -224,7 +234,7 @@ class History:
         else:
             chosen = []
             for name in [names] if isinstance(names, str) else names:
-                if any(c in name for c in "*?["):
+                if any(c in name for c in "*?[") and resolve_scalar(name, known) is None:
                     picked = [n for n in known if matches_scalar(n, [name])]
                     if not picked:
                         raise KeyError(f"no scalar matches {name!r} in {self.path}")
@@ -361,7 +371,8 @@ def _compared(name: str, patterns: list[str] | None) -> bool:
 def diff_steps(ha: History, a: int, hb: History, b: int, names=None):
     """Per tensor present in both steps: l2 of the difference, relative l2, max abs
     difference, cosine similarity, the fraction of elements that changed, and
-    whether it holds whole numbers only (``integral``: counters, masks)."""
+    whether it holds whole numbers only (``integral``: counters, masks); a tensor
+    whose shape changed is not compared (``note`` says so, ``shape_b`` is its shape at b)."""
     import pandas as pd
 
     patterns = [names] if isinstance(names, str) else names
@@ -371,14 +382,15 @@ def diff_steps(ha: History, a: int, hb: History, b: int, names=None):
     for name in [n for n in ra if n in rb and _compared(n, patterns)]:
         if ra[name].shape != rb[name].shape:
             rows.append({"name": name, "shape": ra[name].shape, "integral": False,  # not compared
-                         "note": f"shape {list(ra[name].shape)} -> {list(rb[name].shape)}"})
+                         "note": f"shape {list(ra[name].shape)} -> {list(rb[name].shape)}",
+                         "shape_b": tuple(rb[name].shape)})
             continue
         x = ha.step_data(a).read(name)
         y = hb.step_data(b).read(name)
-        rows.append({"name": name, "shape": tuple(ra[name].shape), **compare(x, y), "note": ""})
+        rows.append({"name": name, "shape": tuple(ra[name].shape), **compare(x, y), "note": "", "shape_b": None})
     if patterns is not None and not rows:
         raise KeyError(f"no tensor matches {', '.join(patterns)} in both steps")
-    cols = ["name", "shape", "l2", "rel_l2", "max_abs", "cosine", "frac_changed", "integral", "note"]
+    cols = ["name", "shape", "l2", "rel_l2", "max_abs", "cosine", "frac_changed", "integral", "note", "shape_b"]
     return pd.DataFrame(rows, columns=cols)
 
 

@@ -86,6 +86,11 @@ _TENSOR_V2 = (("part", "TEXT NOT NULL DEFAULT ''", "''"), ("stored", "INTEGER", 
               ("keep_bits", "INTEGER", "NULL"), ("bound", "REAL", "NULL"), ("exact_checksum", "TEXT", "NULL"),
               ("low_stored", "INTEGER", "NULL"))
 
+# the tiers of a step's row (full: one unit; restore: a restore point of two units) and the
+# latest commit time taken for sound (year 6325): a larger one is damage, not a time
+TIERS = ("full", "restore", "trajectory")
+MAX_TIME = 2.0 ** 37
+
 STAT_KEYS = ("norm", "min", "max", "mean", "std", "nonfinite")
 # the per-step statistics of a tensor in the index: its summary, and a delta's update ratio
 TENSOR_STATS = (*STAT_KEYS, "update_ratio")
@@ -301,7 +306,7 @@ class Index:
 
     def restore_rows(self) -> list[StepRow]:
         """The rows of the restore points (every step that is not a trajectory point)."""
-        return [StepRow(*r) for r in self._read("SELECT * FROM steps WHERE tier <> 'trajectory' ORDER BY step")]
+        return [self._step_row(r) for r in self._read("SELECT * FROM steps WHERE tier <> 'trajectory' ORDER BY step")]
 
     def delta_bases(self) -> list[tuple[int, int]]:
         """``(step, base)`` for every step that holds a delta against ``base``."""
@@ -329,11 +334,11 @@ class Index:
         return [r[0] for r in self._read("SELECT step FROM steps ORDER BY step")]
 
     def step_rows(self) -> list[StepRow]:
-        return [StepRow(*r) for r in self._read("SELECT * FROM steps ORDER BY step")]
+        return [self._step_row(r) for r in self._read("SELECT * FROM steps ORDER BY step")]
 
     def step_row(self, step: int) -> StepRow | None:
         rows = self._read("SELECT * FROM steps WHERE step=?", (step,))
-        return StepRow(*rows[0]) if rows else None
+        return self._step_row(rows[0]) if rows else None
 
     def latest(self) -> int | None:
         return self._read("SELECT MAX(step) FROM steps")[0][0]
@@ -424,7 +429,12 @@ class Index:
         """``(step, name, value)`` of every scalar recorded, by step (value None: NaN)."""
         if not self.has_scalars():
             return []
-        return self._read("SELECT step, name, value FROM scalars ORDER BY step, rowid")
+        rows = self._read("SELECT step, name, value FROM scalars ORDER BY step, rowid")
+        problem = next(filter(None, map(_scalar_row_problem, rows)), None)
+        if problem is not None:
+            raise CorruptionError(f"the index {self.path} is damaged ({problem}); rebuild it from the step data "
+                                  f"with: datastates-hist repair {self.run_dir}")
+        return rows
 
     def scalar_steps(self) -> list[int]:
         """The committed steps with at least one scalar row."""
@@ -434,6 +444,21 @@ class Index:
 
     def tensor_names(self) -> list[str]:
         return [r[0] for r in self._read("SELECT DISTINCT name FROM tensors ORDER BY name")]
+
+    def _step_row(self, values: tuple) -> StepRow:
+        """A row of ``steps`` whose values have the types a commit writes: SQLite keeps
+        whatever a damaged or hand-edited index holds (a time of 1e20, a text count)."""
+        row = StepRow(*values)
+        sound = (type(row.step) is int and type(row.nbytes) is int and row.nbytes >= 0
+                 and type(row.ntensors) is int and row.ntensors >= 0
+                 and isinstance(row.time, (int, float)) and 0 <= row.time < MAX_TIME
+                 and row.tier in TIERS and isinstance(row.backend, str) and isinstance(row.location, str)
+                 and isinstance(row.manifest_checksum, str))
+        if not sound:
+            raise CorruptionError(f"the index {self.path} is damaged (the row of step {row.step!r} holds "
+                                  f"{values!r}); rebuild it from the step data with: datastates-hist repair "
+                                  f"{self.run_dir}")
+        return row
 
     def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
         """The rows of a query; a page or a text that SQLite cannot read (which
@@ -459,6 +484,18 @@ def open_existing(run_dir: str) -> "Index":
 # one encoder for every row: json.dumps with options builds a new one per call, which cost
 # more than the encoding (the small GPT's 309 distributions: 3.2 -> 1.8 ms per step)
 _compact = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _scalar_row_problem(row: tuple) -> str | None:
+    """What no commit writes in a scalar row ``(step, name, value)``, in words; None if nothing."""
+    step, name, value = row
+    if type(step) is not int:
+        return f"a scalar row's step is {step!r}, not a step"
+    if type(name) is not str:
+        return f"a scalar of step {step} is named {name!r}, not a name"
+    if not (type(value) in (int, float) or value is None):
+        return f"scalar {name!r} of step {step} is {value!r}, not a number"
+    return None
 
 
 def _json_or_null(value) -> str | None:

@@ -134,6 +134,25 @@ def take_writer_lock(run_dir: str) -> int:
     """Take the run's one writer lock (``RUN/writer.lock``, flock); its descriptor.
     Raises :class:`StoreLockedError` naming the holder."""
     path = os.path.join(run_dir, WRITER_LOCK)
+    while True:
+        fd = _lock_file(run_dir, path)
+        if _lock_still_named(path, fd):
+            break
+        os.close(fd)  # the file was unlinked (an open refused) between our open and our lock: again
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, _holder().encode(), 0)
+    return fd
+
+
+def _lock_still_named(path: str, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _lock_file(run_dir: str, path: str) -> int:
+    """``path`` opened (created if need be) and flocked; its descriptor."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
@@ -155,8 +174,6 @@ def take_writer_lock(run_dir: str) -> int:
             f"{run_dir} is being written by {holder}; one writer per run "
             "(read it with datastates_hist.open, or wait for that process to end)"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, _holder().encode(), 0)
     return fd
 
 

@@ -71,7 +71,7 @@ from .backends import backend_names, get_backend
 from .digest import checksum_bytes
 from .durable import fsync_dir, fsync_path, remove_tree, rename_into_place
 from .errors import CorruptionError, FormatError, StoreNotFoundError
-from .index import FORMAT_VERSION, Index, StepRow
+from .index import FORMAT_VERSION, MAX_TIME, Index, StepRow
 from .items import TensorRecord
 from .layout import (DAMAGED_DIR, MAX_STEP, RANKS_SUFFIX, REBUILDING_DIR, finished_units, index_path,
                      main_of_restore_unit, rank_file, restore_unit, step_of_unit, steps_dir, take_writer_lock)
@@ -129,7 +129,8 @@ def diagnose(run_dir: str) -> str | None:
             named.add(row.location)
             if row.tier == "restore":
                 named.add(restore_unit(row.location))
-    except CorruptionError as exc:  # a row SQLite cannot read
+        index.scalar_rows()  # each a number
+    except CorruptionError as exc:  # a row SQLite cannot read, or one holding what no commit writes
         return str(exc)
     finally:
         index.close()
@@ -201,9 +202,12 @@ def _old_commit_times(run_dir: str) -> dict[int, float]:
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
-            return {int(s): float(t) for s, t in conn.execute("SELECT step, time FROM steps")}
+            rows = conn.execute("SELECT step, time FROM steps").fetchall()
         finally:
             conn.close()
+        # a time that is no time (damage the rebuild is for) gives way to the unit's
+        return {s: float(t) for s, t in rows
+                if type(s) is int and isinstance(t, (int, float)) and 0 <= t < MAX_TIME}
     except (sqlite3.Error, ValueError, TypeError):
         return {}
 
@@ -547,7 +551,10 @@ def _check_inside_steps(run_dir: str, unit: str) -> None:
 
 
 def _mtime(run_dir: str, unit: str) -> float:
-    return os.path.getmtime(os.path.join(steps_dir(run_dir), unit))
+    """The unit's modification time as its commit time; 0 where the clock that set it
+    was before 1970 or beyond what an index row holds (the index would be refused)."""
+    t = os.path.getmtime(os.path.join(steps_dir(run_dir), unit))
+    return t if 0 <= t < MAX_TIME else 0.0
 
 
 def _set_aside(run_dir: str, unit: str, why: str, report: RepairReport) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import math
 from typing import Any, Iterator
 
 from .items import under
@@ -66,7 +67,13 @@ def _numbers(value: Any, path: str, depth: int = 0) -> Iterator[tuple[str, int |
     if isinstance(value, bool):
         yield path, int(value)
     elif isinstance(value, int):
-        yield path, value if -INT64 <= value < INT64 else float(value)
+        if -INT64 <= value < INT64:
+            yield path, value
+        else:  # the index holds it as a float; beyond a float's range, as an infinity
+            try:
+                yield path, float(value)
+            except OverflowError:
+                yield path, math.inf if value > 0 else -math.inf
     elif isinstance(value, float):
         yield path, value
     elif isinstance(value, list):

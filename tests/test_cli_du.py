@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import datastates_hist as dh
-from datastates_hist.cli.output import num, size
+from datastates_hist.cli.output import size
 from test_cli_managing import torch_imported_by, unit_sizes
 from test_cli_reading import cli
 

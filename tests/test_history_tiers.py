@@ -138,6 +138,11 @@ def test_steps_off_the_trajectory_grid_go_and_grid_steps_stay(tmp_path, backend)
     with dh.open(run) as h:
         assert h.steps == [0, 3, 6, 8, 9] and h.restore_points == [8, 9]
         assert h.scalars()["extra/data/loss"].notna().all()  # the values stay with trajectory points
+        with pytest.raises(KeyError) as info:
+            h.read("optim/state/0.weight/exp_avg", 3)
+        assert info.value.args[0] == (f"no tensor 'optim/state/0.weight/exp_avg' in step 3 of {run}: it is a trajectory "
+                                      "point, which keeps only the trajectory's tensors; the nearest restore point "
+                                      "is step 8")
 
 
 def test_policies_added_to_an_older_run_keep_its_single_unit_steps(tmp_path):

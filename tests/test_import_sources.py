@@ -559,8 +559,8 @@ def test_dcp_chunks_that_do_not_tile_a_tensor_are_refused(tmp_path, capsys):
     cases = [
         (chunks(), "chunks that do not tile it (0 of its 6 elements covered, or some twice): the rest would be "
                    "uninitialised memory"),
-        (chunks(((0, 0), (1, 3)), ((0, 0), (1, 3))), "chunks that do not tile it (3 of its 6 elements covered, or "
-                                                     "some twice): the rest would be uninitialised memory"),
+        (chunks(((0, 0), (1, 3)), ((0, 0), (1, 3))), "chunks that do not tile it (some of its elements covered "
+                                                     "twice, others by none): the rest would be uninitialised memory"),
         (chunks(((1, 0), (2, 3))), "(size (2, 3)) a chunk at (1, 0) of size (2, 3), not inside it"),
         (chunks(((0, 0), (1, 3)), ((1, 0), (1, 3))), "a chunk at (1, 0) that no storage entry holds"),
     ]
@@ -697,6 +697,8 @@ def test_malformed_optimizer_and_rng_states_are_refused(tmp_path, capsys):
                       f"{wrong} param_groups[0] is a str, not a dict with a 'params' list"),
         "step_4.pt": ({"state": {}, "param_groups": [{"params": [0, 1.5]}]},
                       f"{wrong} param_groups[0]['params'] holds 1.5, not a parameter's index or name"),
+        "step_9.pt": ({"state": {}, "param_groups": [{"params": [0]}, {"params": [1, 0]}]},
+                      f"{wrong} param_groups list the parameter 0 twice"),
     }
     for name, (optim, why) in optimizers.items():
         source = tmp_path / name

@@ -86,21 +86,28 @@ def run(args) -> int:
     with History(run_a) as ha:
         a = resolve_step(ha.store, a)
         if run_b == run_a:
-            df = ha.diff(a, resolve_step(ha.store, b), names=args.names)
+            b = resolve_step(ha.store, b)
+            df = ha.diff(a, b, names=args.names)
         else:
             with History(run_b) as hb:
-                df = ha.diff(a, resolve_step(hb.store, b), names=args.names, other=hb)
+                b = resolve_step(hb.store, b)
+                df = ha.diff(a, b, names=args.names, other=hb)
+    if df.empty:
+        raise KeyError(f"step {a} of {run_a} and step {b} of {run_b} have no tensor in common")
     if not (args.names or args.all):
         df = df[~df["integral"]]
     df = rank(df, args.sort)
     if args.top:
         df = df.head(args.top)
     records = df.to_dict("records")
-    data = [{k: (list(v) if k == "shape" else v) for k, v in row.items()} for row in records]
-    columns = ["name", "shape", *METRICS]
-    rows = [[r["name"], "x".join(map(str, r["shape"])) or "()", *(r[m] for m in METRICS)] for r in records]
-    if any(r["note"] for r in records):  # only shape changes have one: otherwise the names get the room
-        columns.append("note")
-        rows = [[*row, r["note"]] for row, r in zip(rows, records)]
-    emit(args, columns, rows, data, left=("name", "note"))
+    data = [{k: (None if v is None else list(v)) if k in ("shape", "shape_b") else v for k, v in row.items()}
+            for row in records]
+    # a tensor whose shape changed is not compared: its shape cell says from what to what
+    rows = [[r["name"], shape_text(r["shape"]) + (f" -> {shape_text(r['shape_b'])}" if r["note"] else ""),
+             *(r[m] for m in METRICS)] for r in records]
+    emit(args, ["name", "shape", *METRICS], rows, data, left=("name",))
     return 0
+
+
+def shape_text(shape) -> str:
+    return "x".join(map(str, shape)) or "()"

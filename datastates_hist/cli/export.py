@@ -38,14 +38,19 @@ def add_parser(sub):
     return cmd
 
 
-def check_target(path: str, force: bool, kind: str | None = None) -> str:
+def check_target(path: str, force: bool, kind: str | None = None, run: str | None = None) -> str:
     """The format to write ``path`` in (``kind``, else from its suffix); a clear error
-    before any step is read."""
+    before any step is read. ``path`` never lies inside ``run``: an export must not
+    replace a file of the history it reads."""
+    from ..importing.reading import is_inside
+
     suffix = os.path.splitext(os.path.normpath(path))[1].lower()
     if kind is None and suffix not in FORMATS:
         raise ValueError(f"cannot write {path}: export writes {', '.join(FORMATS)} files "
                          "(or say which with --format)")
     kind = kind or FORMATS[suffix]
+    if run is not None and os.path.isdir(run) and is_inside(run, path):
+        raise ValueError(f"cannot write {path}: it is inside the run {run}; export to a path outside it")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"cannot write {path}: there is no folder {folder}")
@@ -90,21 +95,24 @@ def run(args) -> int:
     from ..history import History
     from ..items import MODEL_PREFIX, short_name
 
-    kind = check_target(args.to, args.force, args.format)
+    target = os.path.normpath(args.to)  # one name for the checks, the temporary and the rename
+    kind = check_target(target, args.force, args.format, args.run)
     with History(args.run) as h:
         step = resolve_step(h.store, args.step)
-        names = h.names(step)
+        data = h.step_data(step)
+        names = list(data.records)  # of the step as opened: retention may demote it meanwhile
         if not args.all:
             names = [n for n in names if n.startswith(MODEL_PREFIX)]
             if not names:
                 raise KeyError(f"step {step} of {args.run} holds no model tensors (try --all)")
-        data = h.step_data(step)
         tensors = {(n if args.all else short_name(n)): data.read(n).contiguous() for n in names}
-    tmp = os.path.normpath(args.to) + ".partial"
+    tmp, aside = target + ".partial", None
     remove_stale_temporary(tmp, kind)
+    if kind == "dcp":
+        remove_stale_temporary(target + ".replaced", kind)  # what an export interrupted in its rename left
     try:
         if kind == "dcp":
-            write_dcp(tensors, tmp, args.to)
+            write_dcp(tensors, tmp, target)
         elif kind == "safetensors":
             from safetensors.torch import save_file
 
@@ -112,15 +120,36 @@ def run(args) -> int:
         else:
             import torch
 
-            torch.save(tensors, tmp)
-    except BaseException:
+            with open(tmp, "wb") as f:  # through a Python file: its OSError says why a write failed
+                torch.save(tensors, f)
+        if kind == "dcp" and os.path.lexists(target):  # a DCP checkpoint (check_target)
+            aside = target + ".replaced"  # a folder cannot be renamed over: moved aside until the new one is in
+            os.rename(target, aside)
+        os.replace(tmp, target)
+    except BaseException as exc:
+        if aside is not None and not os.path.lexists(target) and os.path.lexists(aside):
+            os.rename(aside, target)  # the old checkpoint back where it was
         remove_tree(tmp)  # a half-written temporary
+        if isinstance(exc, (OSError, RuntimeError)) or type(exc).__name__ == "SafetensorError":
+            raise OSError(f"cannot write {target}: {write_failure(exc)}") from exc
         raise
-    if kind == "dcp" and os.path.lexists(args.to):
-        remove_tree(args.to)  # a DCP checkpoint (check_target): a folder cannot be renamed over
-    os.replace(tmp, args.to)
-    print(f"wrote {len(tensors)} tensors of step {step} to {args.to}")
+    if aside is not None:
+        remove_tree(aside)
+    print(f"wrote {len(tensors)} tensors of step {step} to {target}")
     return 0
+
+
+def write_failure(exc: BaseException) -> str:
+    """Why a write failed, in a few words: the system's reason where there is one
+    (torch and safetensors wrap it in text of their own)."""
+    from ..importing.reading import first_line
+
+    seen = exc
+    while seen is not None:  # torch's error names none: the OSError it met is its context
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    return first_line(exc)
 
 
 def write_dcp(tensors: dict, tmp: str, path: str) -> None:
@@ -132,14 +161,10 @@ def write_dcp(tensors: dict, tmp: str, path: str) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from ..importing.dcp_folders import checkpoint_failure
-    from ..importing.reading import first_line
 
     try:
         with warnings.catch_warnings():  # DCP warns that it runs without a process group: so it should
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
     except CheckpointException as exc:  # a BaseException: each rank's failure inside
-        cause = checkpoint_failure(exc)
-        if isinstance(cause, OSError):
-            raise cause from None
-        raise OSError(f"cannot write {path}: {type(cause).__name__}: {first_line(cause)}") from None
+        raise OSError(write_failure(checkpoint_failure(exc))) from None  # the caller names the path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import errno
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -14,29 +15,75 @@ def add_json_flag(cmd) -> None:
     cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def emit(args, columns: list[str], rows: list[list[Any]], data: Any, left=("name",), wrap: str | None = None) -> None:
+def emit(args, columns: list[str], rows: list[list[Any]], data: Any, left=("name",), wrap: str | None = None,
+         names: str | None = "name", split: bool = False) -> None:
     """Print ``data`` as JSON when ``--json`` was given, else ``rows`` as a table.
 
     A cell is a string, or a number (None and NaN print blank) printed with 6
-    significant digits, or fewer where that lets the table fit the console. The
-    first column (the names) does not wrap: a name too long for the room the other
-    columns leave is shortened (see :func:`shorten`). Column ``wrap`` (free text, the
-    last) wraps instead, in the room the others leave unshortened.
+    significant digits, or fewer where that lets the table fit the console. Column
+    ``names`` does not wrap: a name too long for the room the other columns leave is
+    shortened (see :func:`shorten`). Column ``wrap`` (free text, the last) wraps
+    instead, in the room the others leave, at least :data:`WRAP_ROOM`. ``split``: a
+    table of many columns (series) too wide for the console is printed as several,
+    each with the first column (the steps) and as many of the others as fit.
     """
     if getattr(args, "json", False):
-        json.dump(data, sys.stdout, indent=1, default=_jsonable)
+        json.dump(finite(data), sys.stdout, indent=1, default=_jsonable)
         print()
         return
     out = console()
+    at = columns.index(names) if names in columns else None
     for digits in (6, 4, 3):
         cells = [[cell if isinstance(cell, str) else num(cell, digits) for cell in row] for row in rows]
         by_column = [list(column) for column in zip(columns, *cells)]
-        if table_width(by_column) <= out.width or wrap is not None:
+        need = sum(width_of(c) + GAP for i, c in enumerate(by_column) if columns[i] != wrap) - GAP
+        if wrap in columns:
+            need += GAP + min(width_of(by_column[columns.index(wrap)]), WRAP_ROOM)
+        if need <= out.width:
             break
     else:
-        room = out.width - table_width(by_column[1:]) - GAP
-        cells = [[shorten(row[0], room), *row[1:]] for row in cells]
+        if split:
+            for n, part in enumerate(column_parts(by_column, out.width)):
+                if n:
+                    out.print()
+                out.print(table([columns[i] for i in part], [[row[i] for i in part] for row in cells], left, wrap))
+            return
+        if at is not None:
+            room = out.width - (need - width_of(by_column[at]))
+            cells = [[*row[:at], shorten(row[at], room), *row[at + 1:]] for row in cells]
     out.print(table(columns, cells, left, wrap))
+
+
+def width_of(cells: list[str]) -> int:
+    from rich.cells import cell_len
+
+    return max(map(cell_len, cells))
+
+
+def column_parts(by_column: list[list[str]], width: int) -> list[list[int]]:
+    """The columns of a table too wide for ``width``, in groups that fit beside the
+    first (each at least one column, however wide)."""
+    first = width_of(by_column[0])
+    parts, part, used = [], [0], first
+    for i, cells in enumerate(by_column[1:], 1):
+        if len(part) > 1 and used + GAP + width_of(cells) > width:
+            parts.append(part)
+            part, used = [0], first
+        part.append(i)
+        used += GAP + width_of(cells)
+    return [*parts, part]
+
+
+def finite(data: Any) -> Any:
+    """``data`` with NaN and the infinities as None: JSON has no such numbers, and
+    ``json.dump`` would write tokens that JSON readers refuse."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite(v) for v in data]
+    return data
 
 
 def table(columns: list[str], cells: list[list[str]], left, wrap: str | None = None):
@@ -53,14 +100,8 @@ def table(columns: list[str], cells: list[list[str]], left, wrap: str | None = N
     return grid
 
 
-def table_width(cells_by_column: list[list[str]]) -> int:
-    """How wide :func:`table` prints columns of these cells (headers included) unwrapped."""
-    from rich.cells import cell_len
-
-    return sum(max(map(cell_len, cells)) for cells in cells_by_column) + GAP * (len(cells_by_column) - 1)
-
-
 GAP = 2  # spaces between the columns of a table: a cell's padding on either side
+WRAP_ROOM = 24  # the least room for a column of free text that wraps
 MIN_NAME_ROOM = 16  # a name shortened further says too little: it wraps instead
 KEPT_END = 24  # characters of a name's end kept before its group is given up
 
@@ -93,8 +134,8 @@ def console():
 
 
 def _jsonable(x: Any) -> Any:
-    if hasattr(x, "tolist"):
-        return x.tolist()
+    if hasattr(x, "tolist"):  # numpy's scalars and arrays: NaN in them too is None
+        return finite(x.tolist())
     raise TypeError(f"cannot print {type(x).__name__} as JSON")
 
 

@@ -14,6 +14,8 @@ plot use a log scale.
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 from ..index import TENSOR_STATS
 from .output import add_json_flag, console, emit, num
@@ -24,13 +26,13 @@ AXIS_LABELS = {"update_ratio": "update ratio  ‖x − x_base‖ / ‖x_base‖"
 
 
 def add_parser(sub):
-    cmd = sub.add_parser("trace", help="scalars (loss, lr) and one statistic of tensors over all steps")
+    cmd = sub.add_parser("trace", help="scalars (a loss) and one statistic of tensors over all steps")
     cmd.add_argument("run", help="the run directory")
     cmd.add_argument("names", nargs="+", metavar="NAME",
                      help="tensor names ('model/' may be left out), scalar names ('loss', "
                           "'optim/param_groups/0/lr') or globs of either ('blocks.0.*')")
-    cmd.add_argument("--stat", choices=TENSOR_STATS, default="norm",
-                     help="the statistic of tensors (default norm); update_ratio: ||x - x_base|| / ||x_base|| "
+    cmd.add_argument("--stat", choices=TENSOR_STATS, default="norm", metavar="STAT",
+                     help=f"the statistic of tensors: {', '.join(TENSOR_STATS)} (default norm); update_ratio: ||x - x_base|| / ||x_base|| "
                           "of the steps stored as a delta against x_base (the step before when every step is "
                           "kept), blank at key steps")
     cmd.add_argument("--plot", metavar="FILE", help="also write a matplotlib figure (PNG, PDF, SVG)")
@@ -58,14 +60,16 @@ def run(args) -> int:
     from ..history import History  # torch: imported only when a command needs it
     from ..items import short_name
 
+    plot_path = args.plot and plot_target(args.plot)
     with History(args.run) as h:
         df = h.trace(args.names, args.stat)
     tensors = set(df.attrs["tensors"])
     steps = [int(s) for s in df.index]
     series = {name: [None if v is None or v != v else float(v) for v in df[name]]  # NULL/NaN: blank
               for name in df.columns}
-    if args.plot:
-        plot(steps, series, tensors, args.stat, args.plot)
+    if plot_path:
+        plot(steps, series, tensors, args.stat, plot_path)
+        print(f"wrote {plot_path}", file=sys.stderr)  # stdout holds the table, or the JSON
     data = {"stat": args.stat, "steps": steps, "series": series}
     if len(series) == 1:  # one series: its name and values at the top level too
         (name, values), = series.items()
@@ -74,12 +78,25 @@ def run(args) -> int:
     else:
         columns = [short_name(n) + (f" {args.stat}" if n in tensors else "") for n in series]
     rows = [[str(s), *(num(values[i]) for values in series.values())] for i, s in enumerate(steps)]
-    emit(args, ["step", *columns], rows, data, left=())
+    emit(args, ["step", *columns], rows, data, left=(), names=None, split=True)
     if not args.json:
         for name, values in series.items():
             log = name in tensors and args.stat in LOG_SCALE_STATS
             console().print(f"{name}{' ' + args.stat if name in tensors else ''}: {sparkline(values, log)}")
     return 0
+
+
+def plot_target(path: str) -> str:
+    """The file ``--plot PATH`` writes: PATH, or PATH.png without a suffix (as
+    matplotlib names it); refused when it is a folder or has no folder to go in."""
+    if os.path.isdir(path):
+        raise ValueError(f"cannot write the plot to {path}: it is a folder; name a file (.png, .pdf, .svg)")
+    if not os.path.splitext(path)[1]:
+        path += ".png"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"cannot write the plot to {path}: there is no folder {folder}")
+    return path
 
 
 def plot(steps, series: dict[str, list], tensors: set[str], stat: str, path: str) -> None:

@@ -56,7 +56,7 @@ def run(args) -> int:
     elif problems:
         emit(args, ["step", "tensor", "problem"],
              [[str(p.step), p.tensor or "(whole step)", p.message] for p in problems], None,
-             left=("tensor", "problem"), wrap="problem")
+             left=("tensor", "problem"), wrap="problem", names="tensor")
         print(f"{len(problems)} problem(s) in {len({p.step for p in problems})} of "
               f"{summary['steps']} steps of {args.run}", file=sys.stderr)
     else:

@@ -8,6 +8,7 @@ size and chunks sane."""
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import pickle
@@ -93,7 +94,7 @@ def read_dcp(folder: str) -> dict:
     metadata = read_metadata(folder)
     check_storage(folder, metadata)
     flat = _empty_state_dict(folder, metadata)
-    paths = _planner_paths(folder, metadata, len(flat))
+    paths = _planner_paths(folder, metadata, flat)
     reader, planner = _safe_dcp_reader(folder, metadata)
     try:
         with warnings.catch_warnings():  # DCP warns that it runs without a process group: so it should
@@ -149,7 +150,7 @@ def check_storage(folder: str, metadata) -> None:
     for index, info in metadata.storage_data.items():
         path = getattr(info, "relative_path", None)
         where = f"cannot import {folder}: the storage entry of {getattr(index, 'fqn', index)!r}"
-        if not isinstance(path, str) or not path or os.path.isabs(path):
+        if not isinstance(path, str) or not path or "\0" in path or os.path.isabs(path):
             raise ValueError(f"{where} names {path!r}, not a file of the folder")
         if path not in sizes:
             real = os.path.realpath(os.path.join(root, path))
@@ -248,30 +249,53 @@ def _plain(value: Any) -> Any:
 def _check_tiling(folder: str, fqn: str, size: tuple, chunks: list) -> None:
     """Refuse chunks (each inside the tensor) that do not tile it exactly: DCP leaves
     what no chunk covers as the empty tensor had it, uninitialised memory. Their
-    volumes must add up to the tensor's and together cover all of it (so none overlaps)."""
+    volumes must add up to the tensor's and no two may overlap. Checked on the grid of
+    the chunks' own boundaries (a cell per distinct box, not per element: a tensor cut
+    in n row blocks is n cells), so that the check takes no memory of the tensor's size."""
     volume, numel = sum(math.prod(c.sizes) for c in chunks), math.prod(size)
-    if volume == numel and len(chunks) > 1:  # (one chunk inside the tensor, of its volume, is all of it)
-        cover = torch.zeros(size, dtype=torch.bool)
-        for chunk in chunks:
-            cover[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))] = True
-        volume = int(cover.sum())
     if volume != numel:
         raise ValueError(f"cannot import {folder}: its metadata gives {fqn!r} chunks that do not tile it ({volume} "
                          f"of its {numel} elements covered, or some twice): the rest would be uninitialised memory")
+    if len(chunks) < 2:  # one chunk inside the tensor, of its volume, is all of it
+        return
+    cuts = [sorted({0, n, *(c.offsets[d] for c in chunks), *(c.offsets[d] + c.sizes[d] for c in chunks)})
+            for d, n in enumerate(size)]
+    covered = torch.zeros([len(cut) - 1 for cut in cuts], dtype=torch.bool)
+    for chunk in chunks:
+        cells = covered[tuple(slice(bisect.bisect_left(cut, o), bisect.bisect_left(cut, o + n))
+                              for cut, o, n in zip(cuts, chunk.offsets, chunk.sizes))]
+        if cells.any():  # volumes that add up, and an overlap: some elements are covered by none
+            raise ValueError(f"cannot import {folder}: its metadata gives {fqn!r} chunks that do not tile it (some "
+                             "of its elements covered twice, others by none): the rest would be uninitialised "
+                             "memory")
+        cells.fill_(True)
 
 
-def _planner_paths(folder: str, metadata, items: int) -> dict[str, tuple]:
+# the deepest path of an item in the nested state dict (values.MAX_DEPTH: a value nests no deeper)
+MAX_PATH = 100
+
+
+def _planner_paths(folder: str, metadata, flat: dict) -> dict[str, tuple]:
     """Each item's path in the nested state dict (DCP's ``planner_data``): a non-empty
-    tuple of keys, an int key a list index below the count of items."""
+    tuple of at most :data:`MAX_PATH` keys, an int key a list index below the count of
+    items. Only the items' paths are read: entries of no item are left alone."""
     paths = getattr(metadata, "planner_data", None)
     paths = paths if isinstance(paths, dict) else {}
-    for fqn, path in paths.items():
+    items, found = len(flat), {}
+    for fqn in flat:
+        path = paths.get(fqn)
+        if path is None:
+            continue
+        if isinstance(path, tuple) and len(path) > MAX_PATH:
+            raise ValueError(f"cannot import {folder}: its metadata gives {fqn!r} a path {len(path)} keys deep "
+                             f"(at most {MAX_PATH})")
         if not (isinstance(path, tuple) and path and all(
                 isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k < items)
                 for k in path)):
             raise ValueError(f"cannot import {folder}: its metadata gives {fqn!r} the path {path!r} (a path is "
                              f"keys, or list positions below {items})")
-    return paths
+        found[fqn] = path
+    return found
 
 
 def _safe_dcp_reader(folder: str, metadata):

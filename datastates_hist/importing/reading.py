@@ -8,6 +8,8 @@ import json
 import os
 import pickle
 import stat
+import warnings
+import zipfile
 from typing import Any
 
 import numpy as np
@@ -56,15 +58,14 @@ def load_torch(path: str) -> Any:
         mapped.append(storage)
         return storage
 
+    stored, unpacked = zip_records(path)
+    limit = EXPANSION * max(os.path.getsize(path), 1024)
+    if unpacked > limit:  # torch unpacks compressed records whole, before any check of what they hold
+        raise ValueError(f"cannot import {path}: its compressed records would expand to {unpacked} bytes from "
+                         f"{os.path.getsize(path)} bytes of file (more than {limit}): refused")
     with torch.serialization.safe_globals(numpy_globals()):
         try:
-            try:
-                obj = torch.load(path, map_location=on_cpu, weights_only=True, mmap=True)
-            except RuntimeError as exc:
-                if "mmap" not in str(exc):
-                    raise
-                mapped.clear()  # the legacy format: read, not mapped
-                obj = torch.load(path, map_location="cpu", weights_only=True)
+            obj = _load(path, on_cpu, mapped, stored)
         except pickle.UnpicklingError as exc:
             refused = refusal_line(exc)
             if refused is None:
@@ -73,9 +74,48 @@ def load_torch(path: str) -> Any:
                              f"could run code ({refused})") from None
         except (OSError, EOFError, RuntimeError, ValueError) as exc:
             raise OSError(f"cannot read {path}: {first_line(exc)}") from exc
+        except MemoryError:
+            raise
+        except Exception as exc:  # a damaged pickle fails anywhere in torch's unpickler (KeyError, struct.error...)
+            raise OSError(f"cannot read {path}: damaged or not a torch file ({error_name(exc)})") from exc
     check_records(path, mapped)
     check_expansion(obj, path, os.path.getsize(path))
     return obj
+
+
+def _load(path: str, on_cpu, mapped: list, stored: bool) -> Any:
+    """``torch.load`` of ``path``, memory-mapped where the file allows."""
+    if stored:
+        try:
+            return torch.load(path, map_location=on_cpu, weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+    mapped.clear()  # the legacy format, or compressed records: read, not mapped
+    with warnings.catch_warnings():  # torch's word on a pickle protocol: the error that follows says it
+        warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def error_name(exc: BaseException) -> str:
+    """``KeyError``, ``struct.error``: an exception's class as its module spells it."""
+    kind = type(exc)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def zip_records(path: str) -> tuple[bool, int]:
+    """Whether every record of the zip torch file ``path`` is stored, not compressed
+    (as ``torch.save`` writes them): a memory-mapped load takes a record's bytes from
+    the file as they lie there; and the bytes its compressed records unpack to, as
+    the zip declares them (torch's reader unpacks no more). ``(True, 0)`` for a file
+    that is not a zip (torch tells)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return True, 0
+    packed = [i for i in infos if i.compress_type != zipfile.ZIP_STORED]
+    return not packed, sum(i.file_size for i in packed)
 
 
 def check_records(path: str, storages: list[torch.UntypedStorage]) -> None:
@@ -194,3 +234,5 @@ def read_json(path: str) -> Any:
             return json.load(f)
     except (OSError, ValueError) as exc:
         raise OSError(f"cannot read {path}: {first_line(exc)}") from exc
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise OSError(f"cannot read {path}: nested too deeply") from None

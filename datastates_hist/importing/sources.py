@@ -128,7 +128,8 @@ def find_sources(paths: list[str], step_from: str | None = None) -> list[Source]
     pattern = step_pattern(step_from)
     by_step: dict[int, Source] = {}
     for path in paths:
-        source = Source(path, step_of(path, pattern), source_kind(path))
+        kind = source_kind(path)  # first: a missing path is named as missing, not as stepless
+        source = Source(path, step_of(path, pattern), kind)
         twin = by_step.get(source.step)
         if twin is not None:
             raise ValueError(f"{twin.path} and {path} are both step {source.step}: leave one out, or tell "
@@ -232,6 +233,7 @@ def _optimizer_state(obj: Any, where: str) -> dict:
         raise ValueError(f"cannot import {where}: expected an optimizer state dict (state, param_groups), "
                          f"found {_describe(obj)}")
     wrong = f"cannot import {where}: expected an optimizer state dict, but"
+    seen: set = set()
     for n, group in enumerate(obj["param_groups"]):
         if not (isinstance(group, dict) and isinstance(group.get("params"), list)):
             raise ValueError(f"{wrong} its param_groups[{n}] is {_describe(group)}, not a dict with a 'params' list")
@@ -239,6 +241,9 @@ def _optimizer_state(obj: Any, where: str) -> dict:
             if not (isinstance(p, (int, str)) and not isinstance(p, bool)):
                 raise ValueError(f"{wrong} its param_groups[{n}]['params'] holds {p!r}, not a parameter's index "
                                  "or name")
+            if p in seen:  # as torch's optimizers refuse a parameter in two places
+                raise ValueError(f"{wrong} its param_groups list the parameter {p!r} twice")
+            seen.add(p)
     for key, entry in obj["state"].items():
         if not isinstance(entry, dict):
             raise ValueError(f"{wrong} its state[{key!r}] is {_describe(entry)}, not a dict of one parameter's state")
@@ -312,7 +317,8 @@ def _weight_files(folder: str) -> list[str]:
         if path is not None:
             return [path]
     index_name = next(n for n in HF_INDEXES if _member(folder, n) is not None)
-    weight_map = read_json(os.path.join(folder, index_name)).get("weight_map")
+    index = read_json(os.path.join(folder, index_name))
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(f"cannot import {folder}: {index_name} has no weight_map")
     files = []

@@ -1,0 +1,195 @@
+"""The command line at its edges: an export never writes inside the run it reads and
+reports a failed write as one line; trace's table keeps every series and every number
+in 80 columns; JSON output is JSON (no NaN); a damaged index row is named as damage;
+a plot goes where it says; a scalar whose name holds a '[' is found by its name."""
+
+import json
+import math
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import datastates_hist as dh
+from datastates_hist.cli import EXIT_DAMAGED, EXIT_IO, EXIT_MISSING, EXIT_USAGE
+from test_bad_inputs import read_only
+
+
+def cli(*args, columns=None):
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    if columns:
+        env["COLUMNS"] = str(columns)
+    return subprocess.run([sys.executable, "-m", "datastates_hist.cli", *map(str, args)],
+                          capture_output=True, text=True, env=env)
+
+
+def last_line(out) -> str:
+    assert "Traceback" not in out.stderr, out.stderr
+    return out.stderr.strip().splitlines()[-1]
+
+
+def write_run(path, steps=(0, 1, 2), size=(4, 3), data=None):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(*size)
+    with dh.Checkpointer(path) as ckpt:
+        for step in steps:
+            with torch.no_grad():
+                net.weight.add_(0.01 * step)
+            ckpt.write(step, net, data=data(step) if data else {"loss": 1.0 / (step + 1)})
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return write_run(tmp_path_factory.mktemp("edges") / "run")
+
+
+def test_export_never_writes_inside_the_run(run):
+    before = sorted(os.listdir(run / "steps"))
+    target = run / "steps" / before[0]
+    out = cli("export", run, "0", "--to", target, "--force", "--format", "torch")
+    assert out.returncode == EXIT_USAGE
+    assert last_line(out) == f"datastates-hist: cannot write {target}: it is inside the run {run}; export to a " \
+                             "path outside it"
+    out = cli("export", run, "0", "--to", run / "model.safetensors")
+    assert out.returncode == EXIT_USAGE and "it is inside the run" in last_line(out)
+    assert sorted(os.listdir(run / "steps")) == before and not (run / "model.safetensors").exists()
+    with dh.open(run) as h:
+        assert h.steps == [0, 1, 2]
+
+
+def test_export_to_a_path_ending_in_a_slash(run, tmp_path):
+    out = cli("export", run, "2", "--to", f"{tmp_path}/a.pt/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"wrote 2 tensors of step 2 to {tmp_path}/a.pt\n"
+    assert sorted(os.listdir(tmp_path)) == ["a.pt"]
+    with dh.open(run) as h:
+        assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=True)["weight"], h.read("weight", 2))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a full and a read-only file system are mounted as root")
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors", ".dcp"])
+def test_a_failed_export_write_is_one_line(tmp_path, suffix):
+    big = write_run(tmp_path / "big", steps=(0,), size=(1200, 1000))  # 4.8 MB of weights, on a 4 MB disk
+    with read_only(str(tmp_path / "small")) as _:
+        target = tmp_path / "small" / f"out{suffix}"
+        out = cli("export", big, "0", "--to", target)
+        assert out.returncode == EXIT_IO
+        assert last_line(out).startswith(f"datastates-hist: cannot write {target}") and \
+            "No space left on device" in last_line(out), out.stderr
+        assert os.listdir(tmp_path / "small") == []
+    with read_only(str(tmp_path / "frozen")) as freeze:
+        freeze()
+        target = tmp_path / "frozen" / f"out{suffix}"
+        out = cli("export", big, "0", "--to", target)
+        assert out.returncode == EXIT_IO
+        assert last_line(out).startswith(f"datastates-hist: cannot write {target}") and \
+            "Read-only file system" in last_line(out), out.stderr
+
+
+def test_trace_keeps_every_series_in_80_columns(tmp_path):
+    names = [f"extra/data/a_rather_long_metric_name_{i}" for i in range(6)]
+    run = write_run(tmp_path / "run", steps=range(4),
+                    data=lambda step: {n.split("/")[-1]: 1234.56789 + step * 1000.123 + i for i, n in enumerate(names)})
+    out = cli("trace", run, "a_rather_long_metric_name_*", columns=80)
+    assert out.returncode == 0, out.stderr
+    tables = out.stdout.split("\n\n")  # the series in several tables, each with the steps
+    assert max(map(len, out.stdout.splitlines())) <= 80
+    assert len(tables) == 6  # one series each at 80 columns, the sparklines after the last
+    for i, (name, part) in enumerate(zip(names, tables)):
+        assert part.splitlines()[:5] == [f"step  {name}"] + [
+            f"{step:<4}  {f'{1234.56789 + step * 1000.123 + i:.6g}':>{len(name)}}"
+            for step in range(4)]
+    assert tables[-1].splitlines()[5:] == [f"{name}: ▁▃▆█" for name in names]
+
+
+def test_diff_json_has_no_nan(tmp_path):
+    run = tmp_path / "run"
+    net = torch.nn.Linear(3, 1, bias=False)
+    with dh.Checkpointer(run) as ckpt:
+        torch.nn.init.zeros_(net.weight)
+        ckpt.write(0, net)
+        ckpt.wait()
+        torch.nn.init.constant_(net.weight, 0.5)  # not whole numbers: diff compares it by default
+        ckpt.write(1, net)
+    out = cli("diff", run, "0", "1", "--json")
+    assert out.returncode == 0, out.stderr
+
+    def refuse(token):
+        raise AssertionError(f"{token} in JSON output")
+
+    rows = json.loads(out.stdout, parse_constant=refuse)
+    assert [(r["name"], r["rel_l2"], r["l2"]) for r in rows] == [("model/weight", None, math.sqrt(0.75))]
+
+
+def test_diff_of_runs_with_no_tensor_in_common(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    with dh.Checkpointer(a) as ckpt:
+        ckpt.write(0, torch.nn.Linear(2, 2))
+    with dh.Checkpointer(b) as ckpt:
+        ckpt.write(0, torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    out = cli("diff", f"{a}:0", f"{b}:0")
+    assert out.returncode == EXIT_MISSING
+    assert last_line(out) == f"datastates-hist: step 0 of {a} and step 0 of {b} have no tensor in common"
+
+
+def test_a_scalar_named_with_a_bracket_is_traced_by_its_name(tmp_path):
+    run = write_run(tmp_path / "run", data=lambda step: {"acc[top1]": 0.5 + step, "acc_top1": -1.0})
+    out = cli("trace", run, "acc[top1]", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["series"] == {"extra/data/acc[top1]": [0.5, 1.5, 2.5]}
+    with dh.open(run) as h:
+        assert list(h.scalars("acc[top1]").columns) == ["extra/data/acc[top1]"]
+
+
+def test_trace_plot_goes_where_it_says(run, tmp_path):
+    out = cli("trace", run, "loss", "--plot", tmp_path)
+    assert out.returncode == EXIT_USAGE
+    assert last_line(out) == f"datastates-hist: cannot write the plot to {tmp_path}: it is a folder; name a file " \
+                             "(.png, .pdf, .svg)"
+    out = cli("trace", run, "loss", "--plot", tmp_path / "curve", "--json")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == f"wrote {tmp_path / 'curve.png'}\n"
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(out.stdout)["values"] == [1.0, 0.5, 1 / 3]
+
+
+@pytest.mark.parametrize("sql, command, what", [
+    ("UPDATE steps SET time=1e20 WHERE step=1", "ls", "the row of step 1 holds (1, 1e+20,"),
+    ("UPDATE steps SET ntensors='many' WHERE step=2", "ls", "the row of step 2 holds (2,"),
+    ("UPDATE scalars SET value='abc' WHERE step=1", "trace", "scalar 'extra/data/loss' of step 1 is 'abc', not a number"),
+])
+def test_a_damaged_index_row_is_named_as_damage(tmp_path, sql, command, what):
+    run = write_run(tmp_path / "run")
+    with sqlite3.connect(run / "index.sqlite") as conn:
+        conn.execute(sql)
+    conn.close()
+    out = cli(command, run, *(["loss"] if command == "trace" else []))
+    assert out.returncode == EXIT_DAMAGED
+    line = last_line(out)
+    assert line.startswith(f"datastates-hist: the index {run / 'index.sqlite'} is damaged (") and what in line
+    assert line.endswith(f"rebuild it from the step data with: datastates-hist repair {run}")
+    out = cli("repair", run)
+    assert out.returncode == 0, out.stderr
+    out = cli(command, run, *(["loss"] if command == "trace" else []), "--json")
+    assert out.returncode == 0, out.stderr
+    with dh.open(run) as h:
+        assert h.steps == [0, 1, 2]
+        assert h.scalars("loss")["extra/data/loss"].tolist() == [1.0, 0.5, 1 / 3]
+        unit = {row.step: row for row in h.store.index.step_rows()}
+        assert all(0 < unit[s].time < time.time() + 1 for s in (0, 1, 2))
+
+
+def test_repair_takes_no_commit_time_an_index_cannot_hold(tmp_path):
+    run = write_run(tmp_path / "run")
+    (run / "index.sqlite").unlink()
+    for unit in os.listdir(run / "steps"):  # a clock before 1970 set them
+        os.utime(run / "steps" / unit, (-1e8, -1e8))
+    assert cli("repair", run).returncode == 0
+    out = cli("ls", run, "--json")
+    assert out.returncode == 0, out.stderr
+    assert [row["step"] for row in json.loads(out.stdout)] == [0, 1, 2]
