@@ -92,10 +92,10 @@ def test_a_failed_export_write_is_one_line(tmp_path, suffix):
 
 
 def test_trace_keeps_every_series_in_80_columns(tmp_path):
-    names = [f"extra/data/a_rather_long_metric_name_{i}" for i in range(6)]
+    names = [f"a_rather_long_name_of_a_validation_metric_{i}" for i in range(6)]  # shown as written
     run = write_run(tmp_path / "run", steps=range(4),
-                    data=lambda step: {n.split("/")[-1]: 1234.56789 + step * 1000.123 + i for i, n in enumerate(names)})
-    out = cli("trace", run, "a_rather_long_metric_name_*", columns=80)
+                    data=lambda step: {n: 1234.56789 + step * 1000.123 + i for i, n in enumerate(names)})
+    out = cli("trace", run, "a_rather_long_name_of_a_validation_metric_*", columns=80)
     assert out.returncode == 0, out.stderr
     tables = out.stdout.split("\n\n")  # the series in several tables, each with the steps
     assert max(map(len, out.stdout.splitlines())) <= 80
@@ -193,3 +193,12 @@ def test_repair_takes_no_commit_time_an_index_cannot_hold(tmp_path):
     out = cli("ls", run, "--json")
     assert out.returncode == 0, out.stderr
     assert [row["step"] for row in json.loads(out.stdout)] == [0, 1, 2]
+
+
+def test_trace_names_each_series_shortly_unless_two_would_read_the_same():
+    from datastates_hist.cli.trace import labels
+
+    assert labels(["extra/data/loss", "extra/data/lr", "extra/lr", "extra/data/acc[top1]", "model/0.weight"],
+                  {"model/0.weight"}) == {
+        "extra/data/loss": "loss", "extra/data/lr": "extra/data/lr", "extra/lr": "extra/lr",
+        "extra/data/acc[top1]": "acc[top1]", "model/0.weight": "0.weight"}

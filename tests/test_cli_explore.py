@@ -86,7 +86,7 @@ def test_trace_values_sparkline_and_plot(run_dir, tmp_path):
         assert value == pytest.approx(np.linalg.norm(stored(run_dir, step, "model/0.weight")), rel=1e-6)
     out = cli("trace", run_dir, "0.weight", "--stat", "max", "--plot", str(tmp_path / "p.png"))
     assert out.returncode == 0, out.stderr
-    assert "model/0.weight max: " in out.stdout and len(out.stdout.strip().splitlines()) == 8
+    assert "\n0.weight max: " in out.stdout and len(out.stdout.strip().splitlines()) == 8
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = cli("trace", run_dir, "no.such")
     assert out.returncode == 3 and "no tensor 'no.such'" in out.stderr

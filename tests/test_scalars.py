@@ -218,7 +218,7 @@ def test_cli_trace_of_a_scalar_and_of_several_names(h, tmp_path):
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.strip().splitlines()]
     assert rows[:3] == [["step", "value"], ["0", "2"], ["1", "1"]]
-    assert rows[-1][0] == "extra/data/loss:"
+    assert rows[-1][0] == "loss:"
     out = cli("trace", path, "loss", "0.*", "--json", "--plot", str(tmp_path / "t.png"))
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
@@ -228,7 +228,7 @@ def test_cli_trace_of_a_scalar_and_of_several_names(h, tmp_path):
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = cli("trace", path, "loss", "0.weight")
     header = out.stdout.splitlines()[0].split()
-    assert header == ["step", "extra/data/loss", "0.weight", "norm"]
+    assert header == ["step", "loss", "0.weight", "norm"]
 
 
 def test_cli_trace_of_an_unknown_name_names_the_closest(h):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections import Counter
 
 from ..index import TENSOR_STATS
 from .output import add_json_flag, console, emit, num
@@ -58,17 +59,17 @@ def sparkline(values: list[float], log: bool = False) -> str:
 
 def run(args) -> int:
     from ..history import History  # torch: imported only when a command needs it
-    from ..items import short_name
 
     plot_path = args.plot and plot_target(args.plot)
     with History(args.run) as h:
         df = h.trace(args.names, args.stat)
     tensors = set(df.attrs["tensors"])
+    label = labels(df.columns, tensors)
     steps = [int(s) for s in df.index]
     series = {name: [None if v is None or v != v else float(v) for v in df[name]]  # NULL/NaN: blank
               for name in df.columns}
     if plot_path:
-        plot(steps, series, tensors, args.stat, plot_path)
+        plot(steps, series, tensors, args.stat, plot_path, label)
         print(f"wrote {plot_path}", file=sys.stderr)  # stdout holds the table, or the JSON
     data = {"stat": args.stat, "steps": steps, "series": series}
     if len(series) == 1:  # one series: its name and values at the top level too
@@ -76,14 +77,26 @@ def run(args) -> int:
         data.update(name=name, values=values)
         columns = [args.stat if name in tensors else "value"]
     else:
-        columns = [short_name(n) + (f" {args.stat}" if n in tensors else "") for n in series]
+        columns = [label[n] + (f" {args.stat}" if n in tensors else "") for n in series]
     rows = [[str(s), *(num(values[i]) for values in series.values())] for i, s in enumerate(steps)]
     emit(args, ["step", *columns], rows, data, left=(), names=None, split=True)
     if not args.json:
         for name, values in series.items():
             log = name in tensors and args.stat in LOG_SCALE_STATS
-            console().print(f"{name}{' ' + args.stat if name in tensors else ''}: {sparkline(values, log)}")
+            console().print(f"{label[name]}{' ' + args.stat if name in tensors else ''}: {sparkline(values, log)}")
     return 0
+
+
+def labels(names, tensors: set[str]) -> dict[str, str]:
+    """How each series is named on screen: a tensor as in ``state_dict()``, a scalar by
+    its shortest form (``loss`` for ``extra/data/loss``); by its stored name where two
+    would read the same. The JSON keeps the stored names."""
+    from ..items import short_name
+    from ..scalars import short_forms
+
+    short = {n: short_name(n) if n in tensors else min(short_forms(n) or [n], key=len) for n in names}
+    taken = Counter(short.values())
+    return {n: s if taken[s] == 1 else n for n, s in short.items()}
 
 
 def plot_target(path: str) -> str:
@@ -99,11 +112,10 @@ def plot_target(path: str) -> str:
     return path
 
 
-def plot(steps, series: dict[str, list], tensors: set[str], stat: str, path: str) -> None:
+def plot(steps, series: dict[str, list], tensors: set[str], stat: str, path: str, label: dict[str, str]) -> None:
     """One panel per scalar and one for every tensor's ``stat``, sharing the step axis
-    (the tensors' on a log scale for a stat of :data:`LOG_SCALE_STATS`)."""
-    from ..items import short_name
-
+    (the tensors' on a log scale for a stat of :data:`LOG_SCALE_STATS`); each series
+    named by ``label``."""
     try:
         import matplotlib
 
@@ -115,24 +127,24 @@ def plot(steps, series: dict[str, list], tensors: set[str], stat: str, path: str
     scalars = [n for n in series if n not in tensors]
     panels = [[n] for n in scalars] + ([[n for n in series if n in tensors]] if tensors else [])
     legend = 1 < len(tensors) <= 10  # names the tensors' lines, right of the panels so that it hides none
-    width = 7 + (0.07 * max(len(short_name(n)) for n in tensors) + 0.6 if legend else 0)
+    width = 7 + (0.07 * max(len(label[n]) for n in tensors) + 0.6 if legend else 0)
     fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False, figsize=(width, 1.2 + 2.3 * len(panels)))
     for ax, names in zip(axes[:, 0], panels):
         log = names[0] in tensors and stat in LOG_SCALE_STATS
         for name in names:
             # a log axis cannot show 0 (a tensor that did not change): left out, like a missing value
             ys = [math.nan if v is None or (log and v <= 0) else v for v in series[name]]
-            ax.plot(steps, ys, marker=".", label=short_name(name))
+            ax.plot(steps, ys, marker=".", label=label[name])
         if names[0] in tensors:
             ax.set_ylabel(AXIS_LABELS.get(stat, stat))
-            title = short_name(names[0]) if len(names) == 1 else f"{stat} of {len(names)} tensors"
+            title = label[names[0]] if len(names) == 1 else f"{stat} of {len(names)} tensors"
             ax.set_title(f"{title}{' (log scale)' if log else ''}", fontsize="medium")
             if log:
                 ax.set_yscale("log")
             if legend:
                 ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
         else:
-            ax.set_ylabel(short_name(names[0]))
+            ax.set_ylabel(label[names[0]])
         ax.grid(alpha=0.3, which="both" if log else "major")
     axes[-1, 0].set_xlabel("step")
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
