@@ -9,12 +9,14 @@ test lets it go: a storage device that stalls, on the flusher thread, as a slow 
 
 import sqlite3
 import threading
+import time
 
 import pytest
 import torch
 
 import datastates_hist as dh
 from datastates_hist.backends import get_backend, register_backend, unregister_backend
+from datastates_hist.flush import BEHIND_FRACTION
 
 
 def encodings(run):
@@ -172,8 +174,16 @@ def test_a_step_larger_than_the_cache_is_stored_raw_once_training_waits_for_its_
     ckpt.write(0, model, opt)
     written = {0: {"model/weight": model.weight.detach().clone(),
                    "optim/state/weight/exp_avg": opt.state[model.weight]["exp_avg"].clone()}}
-    waits = ckpt._pipeline.training_waits
-    releaser = threading.Thread(target=lambda: (waits.wait(60), go.set()))
+    waits, cache = ckpt._pipeline.training_waits, ckpt._pipeline._flusher.cache
+    full = BEHIND_FRACTION[None] * cache.capacity
+
+    def release():  # once training waits and the snapshot has filled the cache (it may lag behind)
+        deadline = time.monotonic() + 60
+        while not (waits.is_set() and cache.held_bytes() > full) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        go.set()
+
+    releaser = threading.Thread(target=release)
     releaser.start()
     model(torch.randn(8, 1024)).square().mean().backward()
     opt.step()  # its pre-hook waits for step 0's snapshot: the flush goes on only then
