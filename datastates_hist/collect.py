@@ -30,6 +30,8 @@ class Collector:
     def __init__(self, group: Group):
         self.group = group
         self._checked_names: tuple[str, ...] = ()
+        # whether a step keeps this process's RNG states: not a step imported from files that hold none
+        self.capture_rng = True
 
     @property
     def rng_prefix(self) -> str:
@@ -39,7 +41,7 @@ class Collector:
     def collect(self, step: int, model: Any, optimizer: Any, extra: dict) -> PendingCheckpoint:
         """Items of every object, checked; volatile tensors first."""
         ctx = context_for(model)
-        objects = {"model": model, self.rng_prefix: RNG()}
+        objects = {"model": model, **({self.rng_prefix: RNG()} if self.capture_rng else {})}
         if optimizer is not None:
             objects["optim"] = optimizer
         for key, value in extra.items():

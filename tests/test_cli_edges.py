@@ -202,3 +202,38 @@ def test_trace_names_each_series_shortly_unless_two_would_read_the_same():
                   {"model/0.weight"}) == {
         "extra/data/loss": "loss", "extra/data/lr": "extra/data/lr", "extra/lr": "extra/lr",
         "extra/data/acc[top1]": "acc[top1]", "model/0.weight": "0.weight"}
+
+
+def test_a_narrow_diff_keeps_every_name_its_own_and_says_which_columns_gave_way(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+                                  for _ in range(12)])
+    opt = torch.optim.Adam(model.parameters())
+    with dh.Checkpointer(tmp_path / "run") as ckpt:
+        for step in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            ckpt.write(step, model, opt)
+    for names in (["--names", "optim/*exp_avg*"], []):
+        out = cli("diff", tmp_path / "run", "0", "1", *names, columns=60)
+        assert out.returncode == 0, out.stderr
+        header, *lines = out.stdout.splitlines()
+        shown = [line.split()[0] for line in lines]
+        assert len(lines) == 24 * 2 * (2 if names else 3)  # 24 layers' weight, bias: (model,) exp_avg, exp_avg_sq
+        assert len(set(shown)) == len(shown) and max(map(len, out.stdout.splitlines())) <= 60
+        assert not any(s.startswith("model/") for s in shown)  # the model's names as in state_dict()
+        # the metrics not ranked by give way, in order, and stderr names them
+        left_out = [m for m in ("frac_changed", "max_abs", "l2", "cosine") if m not in header.split()]
+        assert header.split() == ["name", "shape"] + [m for m in ("l2", "rel_l2", "max_abs", "cosine", "frac_changed")
+                                                      if m not in left_out]
+        assert left_out[:1] == ["frac_changed"]
+        assert out.stderr == f"({', '.join(left_out)} left out to fit 60 columns; --json has every column)\n"
+
+
+def test_a_sparkline_of_more_steps_than_room_is_one_bar_per_run_of_steps():
+    from datastates_hist.cli.trace import BARS, sparkline
+
+    line = sparkline([float(v) for v in range(100)], width=10)  # runs of 10: their means 4.5 ... 94.5
+    assert line == "".join(BARS[i] for i in (0, 0, 1, 2, 3, 4, 5, 6, 7, 7))
+    assert sparkline([None, None, 1.0, 3.0, 5.0, 7.0], width=3) == " ▁█"  # a run of no value is blank
+    assert sparkline([1.0, 2.0], width=10) == "▁█"  # fewer values than room: one bar each

@@ -52,7 +52,7 @@ def test_trace_prints_nan_statistics_as_blanks(run_dir):
     out = cli("trace", run_dir, "weight")
     assert out.returncode == 0 and out.stderr == ""
     rows = [line.split() for line in out.stdout.strip().splitlines()]
-    assert rows[:4] == [["step", "norm"], ["0"], ["1"], ["2"]]
+    assert rows[:4] == [["step", "weight", "norm"], ["0"], ["1"], ["2"]]
     out = cli("trace", run_dir, "bias", "--json")  # the statistics of a finite tensor are numbers
     with dh.open(run_dir) as h:
         bias = h.read("model/bias", 0).double()

@@ -121,10 +121,11 @@ def test_show_fits_80_columns_without_wrapping_a_name(run):
     header, *lines = out.stdout.splitlines()
     assert header.split() == ["name", "shape", "dtype", "encoding", "nbytes", "stored", "norm"]
     assert len(lines) == len(names) and max(len(line) for line in out.stdout.splitlines()) <= 80
-    for name, line in zip(names, lines):
-        shown = line.split()[0]
-        assert shown == name or (shown.startswith(("…", "model/…", "optim/…")) and len(shown) < len(name)
-                                 and name.endswith(shown.split("…")[1])), (name, line)
+    shown = [line.split()[0] for line in lines]
+    assert len(set(shown)) == len(names)  # every row's name still its own
+    for name, short in zip(names, shown):  # the model's as in state_dict(), then from a part of their end
+        assert short == name.removeprefix("model/") or (short.startswith(("…", "optim/…")) and len(short) < len(name)
+                                                       and name.endswith(short.split("…")[1])), (name, short)
     wide = cli("show", run, "3").stdout.splitlines()  # to a pipe: full names, 6 digits
     assert [line.split()[0] for line in wide[1:]] == names
     with dh.open(run) as h:
@@ -175,12 +176,13 @@ def test_show_says_how_each_tensor_is_stored(trajectory_run):
     assert {line.split()[3] for line in narrow[1:]} == {"delta<-0"}
 
 
-def test_shorten_keeps_the_end_and_the_group_when_there_is_room():
+def test_shorten_keeps_the_end_from_a_part_and_the_group_when_there_is_room():
     name = "optim/state/blocks.10.mlp.0.weight/exp_avg_sq"  # 45 characters
     assert shorten(name, 45) == name
     assert shorten(name, 40) == "optim/…blocks.10.mlp.0.weight/exp_avg_sq"
-    assert shorten(name, 30) == "…ks.10.mlp.0.weight/exp_avg_sq"
-    assert len(shorten(name, 40)) == 40 and len(shorten(name, 30)) == 30
+    assert shorten(name, 34) == "…blocks.10.mlp.0.weight/exp_avg_sq"
+    assert shorten(name, 30) == "…10.mlp.0.weight/exp_avg_sq"  # from a part's start ('10.', not 'ks.10.')
+    assert len(shorten(name, 40)) == 40 and len(shorten(name, 34)) == 34
     assert shorten(name, 3) == "…" + name[-15:]  # never shorter than 16
 
 

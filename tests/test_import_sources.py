@@ -181,13 +181,17 @@ def test_import_transformers_checkpoints(tmp_path, hf_sources, backend, capsys):
         assert data.values["items"]["optim/param_groups"]["type"] == "AdamW"
 
 
-def test_restore_point_restores_a_model_and_its_rng(tmp_path, plain_sources, capsys):
+def test_restore_point_restores_a_model_and_no_rng_of_the_importing_process(tmp_path, plain_sources, capsys):
     run = tmp_path / "run"
     assert cli(capsys, "import", run, *plain_sources[:3])[0] == 0
+    with dh.open(run) as h:  # the source holds no RNG states: none stored, none made up
+        assert 20 in h.restore_points and not [r for r in h.store.records(20) if r.name.startswith("rng/")]
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    before = torch.get_rng_state()
     with dh.Checkpointer(run) as ckpt:
-        restored = ckpt.restore(20, model=model, rng=False)
-        assert restored.step == 20
+        restored = ckpt.restore(20, model=model)
+        assert restored.step == 20 and restored.rng is False
+    assert torch.equal(torch.get_rng_state(), before)
     for name, t in model.state_dict().items():
         assert torch.equal(t, model_of(plain_sources[1])[name])
 

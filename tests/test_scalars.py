@@ -217,7 +217,7 @@ def test_cli_trace_of_a_scalar_and_of_several_names(h, tmp_path):
     out = cli("trace", path, "loss")
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.strip().splitlines()]
-    assert rows[:3] == [["step", "value"], ["0", "2"], ["1", "1"]]
+    assert rows[:3] == [["step", "loss"], ["0", "2"], ["1", "1"]]
     assert rows[-1][0] == "loss:"
     out = cli("trace", path, "loss", "0.*", "--json", "--plot", str(tmp_path / "t.png"))
     assert out.returncode == 0, out.stderr

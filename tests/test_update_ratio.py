@@ -99,9 +99,9 @@ def test_cli_trace_update_ratio_json_table_and_unknown_stat(trained):
     assert out.returncode == 0 and out.stderr == ""
     lines = out.stdout.strip().splitlines()
     rows = [line.split() for line in lines[:9]]
-    assert rows[0] == ["step", "update_ratio"]
+    assert rows[0] == ["step", "0.weight", "update_ratio"]
     assert [r for r in rows[1:] if len(r) == 1] == [["0"], [str(KEY_EVERY)]]  # blank at the key steps
-    spark = lines[-1].removeprefix(f"{NAME} update_ratio: ")
+    spark = lines[-1].removeprefix("0.weight update_ratio: ")
     assert len(spark) == 8 and spark[0] == spark[KEY_EVERY] == " " and " " not in spark[1:KEY_EVERY]
 
     out = cli("trace", run_dir, "0.weight", "--stat", "ratio")

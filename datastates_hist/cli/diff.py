@@ -105,7 +105,9 @@ def run(args) -> int:
     # a tensor whose shape changed is not compared: its shape cell says from what to what
     rows = [[r["name"], shape_text(r["shape"]) + (f" -> {shape_text(r['shape_b'])}" if r["note"] else ""),
              *(r[m] for m in METRICS)] for r in records]
-    emit(args, ["name", "shape", *METRICS], rows, data, left=("name",))
+    # too narrow a terminal for every name apart: the metrics not ranked by give way first
+    gives_way = tuple(m for m in ("frac_changed", "max_abs", "l2", "cosine", "rel_l2") if m != args.sort)
+    emit(args, ["name", "shape", *METRICS], rows, data, left=("name",), gives_way=gives_way)
     return 0
 
 

@@ -16,13 +16,15 @@ def add_json_flag(cmd) -> None:
 
 
 def emit(args, columns: list[str], rows: list[list[Any]], data: Any, left=("name",), wrap: str | None = None,
-         names: str | None = "name", split: bool = False) -> None:
+         names: str | None = "name", split: bool = False, gives_way: tuple[str, ...] = ()) -> None:
     """Print ``data`` as JSON when ``--json`` was given, else ``rows`` as a table.
 
     A cell is a string, or a number (None and NaN print blank) printed with 6
     significant digits, or fewer where that lets the table fit the console. Column
     ``names`` does not wrap: a name too long for the room the other columns leave is
-    shortened (see :func:`shorten`). Column ``wrap`` (free text, the last) wraps
+    shortened (see :func:`shorten_names`); where that would make two names read the
+    same, the columns of ``gives_way`` are left out, in that order, until the names
+    stay apart (stderr says which). Column ``wrap`` (free text, the last) wraps
     instead, in the room the others leave, at least :data:`WRAP_ROOM`. ``split``: a
     table of many columns (series) too wide for the console is printed as several,
     each with the first column (the steps) and as many of the others as fit.
@@ -32,26 +34,44 @@ def emit(args, columns: list[str], rows: list[list[Any]], data: Any, left=("name
         print()
         return
     out = console()
-    at = columns.index(names) if names in columns else None
+    left_out: list[str] = []
+    while True:
+        kept = [i for i, c in enumerate(columns) if c not in left_out]
+        shown = [columns[i] for i in kept]
+        cells, by_column, need = fitted(shown, [[row[i] for i in kept] for row in rows], out.width, wrap)
+        if need <= out.width or not (split or names in shown):
+            break
+        if split:
+            for n, part in enumerate(column_parts(by_column, out.width)):
+                if n:
+                    out.print()
+                out.print(table([shown[i] for i in part], [[row[i] for i in part] for row in cells], left, wrap))
+            return
+        at = shown.index(names)
+        full = [row[at] for row in cells]
+        short = shorten_names(full, out.width - (need - width_of(by_column[at])))
+        if len(set(short)) == len(set(full)) or len(left_out) == len(gives_way):
+            cells = [[*row[:at], name, *row[at + 1:]] for row, name in zip(cells, short)]
+            break
+        left_out.append(gives_way[len(left_out)])
+    out.print(table(shown, cells, left, wrap))
+    if left_out:
+        print(f"({', '.join(left_out)} left out to fit {out.width} columns; --json has every column)",
+              file=sys.stderr)
+
+
+def fitted(columns: list[str], rows: list[list[Any]], width: int, wrap: str | None):
+    """The cells of ``rows`` as text, with the most significant digits (6, 4, 3) that
+    fit ``width``; the cells by column; the width they need."""
     for digits in (6, 4, 3):
         cells = [[cell if isinstance(cell, str) else num(cell, digits) for cell in row] for row in rows]
         by_column = [list(column) for column in zip(columns, *cells)]
         need = sum(width_of(c) + GAP for i, c in enumerate(by_column) if columns[i] != wrap) - GAP
         if wrap in columns:
             need += GAP + min(width_of(by_column[columns.index(wrap)]), WRAP_ROOM)
-        if need <= out.width:
+        if need <= width:
             break
-    else:
-        if split:
-            for n, part in enumerate(column_parts(by_column, out.width)):
-                if n:
-                    out.print()
-                out.print(table([columns[i] for i in part], [[row[i] for i in part] for row in cells], left, wrap))
-            return
-        if at is not None:
-            room = out.width - (need - width_of(by_column[at]))
-            cells = [[*row[:at], shorten(row[at], room), *row[at + 1:]] for row in cells]
-    out.print(table(columns, cells, left, wrap))
+    return cells, by_column, need
 
 
 def width_of(cells: list[str]) -> int:
@@ -103,20 +123,34 @@ def table(columns: list[str], cells: list[list[str]], left, wrap: str | None = N
 GAP = 2  # spaces between the columns of a table: a cell's padding on either side
 WRAP_ROOM = 24  # the least room for a column of free text that wraps
 MIN_NAME_ROOM = 16  # a name shortened further says too little: it wraps instead
-KEPT_END = 24  # characters of a name's end kept before its group is given up
+KEPT_END = 32  # characters of a name's end kept before its group is given up
+CUT_REACH = 8  # characters (and a quarter of what is kept) a shortened name gives up more to begin at a part
+
+
+def shorten_names(names: list[str], room: int) -> list[str]:
+    """A column of tensor names in at most ``room`` characters each: the model's
+    without ``model/`` (as in ``state_dict()``, and as every command takes them),
+    then each too long :func:`shorten`-ed."""
+    from ..items import short_name
+
+    return [shorten(short_name(n), room) for n in names]
 
 
 def shorten(name: str, room: int) -> str:
     """``name`` in at most ``room`` characters, an ellipsis in place of what is left
     out. The end is kept first: it holds what tells tensors apart (block number,
-    parameter, optimizer state); the group (``model/``, ``optim/``) when there is
-    room for it too."""
+    parameter, optimizer state), from the start of one of its parts where one is near;
+    the group (``optim/``) when there is room for it too."""
     room = max(room, MIN_NAME_ROOM)
     if len(name) <= room:
         return name
     group = name[:name.find("/") + 1]
     head = group if room - len(group) - 1 >= KEPT_END else ""
-    return head + "…" + name[len(name) - (room - len(head) - 1):]
+    start = len(name) - (room - len(head) - 1)
+    # from the start of a part of the name (after a '/' or '.') when one is near: 'state/...', not 'm/state/...'
+    reach = min(CUT_REACH, (len(name) - start) // 4)
+    cut = next((i + 1 for i in range(start - 1, start + reach) if name[i] in "/."), start)
+    return head + "…" + name[cut:]
 
 
 def console():

@@ -49,7 +49,7 @@ def run(args) -> int:
     columns = ["name", "shape", "dtype", "encoding", "nbytes", "stored", "norm"]
     table = [[r.name, "x".join(map(str, r.shape)) or "()", r.dtype, encoding(r), size(r.nbytes),
               size(stored(r)), r.stats.get("norm")] for r in records]
-    emit(args, columns, table, data, left=("name", "dtype", "encoding"))
+    emit(args, columns, table, data, left=("name", "dtype", "encoding"), gives_way=("dtype", "encoding", "nbytes"))
     bounds = sorted({(r.keep_bits, r.bound) for r in records if r.keep_bits is not None}, reverse=True)
     if bounds and not args.json:  # one Trajectory rounds a step: one keep_bits
         print("* rounded to " + ", ".join(f"{bits} mantissa bits (relative error at most {bound:.3g})"

@@ -41,13 +41,18 @@ def add_parser(sub):
     return cmd
 
 
-def sparkline(values: list[float], log: bool = False) -> str:
+def sparkline(values: list[float], log: bool = False, width: int | None = None) -> str:
     """One bar per value, scaled from the smallest to the largest finite value (their
-    logarithms with ``log``, where values not above 0 get the lowest bar); blank for none."""
+    logarithms with ``log``, where values not above 0 get the lowest bar); blank for none.
+    More values than ``width``: one bar per run of consecutive values, their mean."""
     if log:
         positive = [v for v in values if v is not None and math.isfinite(v) and v > 0]
         floor = min(positive, default=1.0)
         values = [v if v is None or not math.isfinite(v) else math.log10(max(v, floor)) for v in values]
+    if width is not None and len(values) > width > 0:
+        runs = [values[i * len(values) // width:(i + 1) * len(values) // width] for i in range(width)]
+        values = [sum(f) / len(f) if (f := [v for v in r if v is not None and math.isfinite(v)]) else None
+                  for r in runs]
     finite = [v for v in values if v is not None and math.isfinite(v)]
     if not finite:
         return ""
@@ -75,15 +80,14 @@ def run(args) -> int:
     if len(series) == 1:  # one series: its name and values at the top level too
         (name, values), = series.items()
         data.update(name=name, values=values)
-        columns = [args.stat if name in tensors else "value"]
-    else:
-        columns = [label[n] + (f" {args.stat}" if n in tensors else "") for n in series]
+    columns = [label[n] + (f" {args.stat}" if n in tensors else "") for n in series]
     rows = [[str(s), *(num(values[i]) for values in series.values())] for i, s in enumerate(steps)]
     emit(args, ["step", *columns], rows, data, left=(), names=None, split=True)
     if not args.json:
-        for name, values in series.items():
+        out = console()
+        for column, (name, values) in zip(columns, series.items()):
             log = name in tensors and args.stat in LOG_SCALE_STATS
-            console().print(f"{label[name]}{' ' + args.stat if name in tensors else ''}: {sparkline(values, log)}")
+            out.print(f"{column}: {sparkline(values, log, out.width - len(column) - 2)}")
     return 0
 
 

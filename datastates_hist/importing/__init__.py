@@ -187,6 +187,7 @@ def import_sources(run: str, sources: list[Source], *, backend: str | None = Non
                                  "which the backends cannot store")
             optimizer = None if contents.optimizer is None else OptimizerState(contents.optimizer, optimizer_type)
             extra = extras(contents.extra, source)
+            ckpt._collector.capture_rng = contents.rng is not None  # the importing process's states: not the run's
             with rng_states(contents.rng):
                 try:
                     ckpt.write(source.step, ModelState(contents.model), optimizer, **extra)
