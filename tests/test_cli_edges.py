@@ -237,3 +237,33 @@ def test_a_sparkline_of_more_steps_than_room_is_one_bar_per_run_of_steps():
     assert line == "".join(BARS[i] for i in (0, 0, 1, 2, 3, 4, 5, 6, 7, 7))
     assert sparkline([None, None, 1.0, 3.0, 5.0, 7.0], width=3) == " ▁█"  # a run of no value is blank
     assert sparkline([1.0, 2.0], width=10) == "▁█"  # fewer values than room: one bar each
+
+
+def test_diff_says_what_one_step_alone_holds(tmp_path):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(net.parameters())
+    with dh.Checkpointer(tmp_path / "run", keep=dh.KeepLast(1), trajectory=dh.Trajectory("model/*")) as ckpt:
+        for step in range(2):
+            net(torch.randn(2, 3)).sum().backward()
+            opt.step()
+            ckpt.write(step, net, opt)
+    out = cli("diff", tmp_path / "run", "0", "1")  # step 0 a trajectory point: the model's tensors alone
+    assert out.returncode == 0, out.stderr
+    assert sorted(line.split()[0] for line in out.stdout.splitlines()[1:]) == ["model/bias", "model/weight"]
+    with dh.open(tmp_path / "run") as h:
+        alone = len(h.store.records(1)) - 2
+    assert out.stderr == f"({alone} tensors only in step 1: not compared)\n"
+    assert cli("diff", tmp_path / "run", "0", "1", "--names", "weight").stderr == ""
+    assert cli("diff", tmp_path / "run", "0", "1", "--names", "optim/*").returncode == EXIT_MISSING
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_an_exported_file_is_as_readable_as_any_file_made_here(run, tmp_path, suffix):
+    mask = os.umask(0o022)
+    try:
+        out = cli("export", run, "0", "--to", tmp_path / f"out{suffix}")
+    finally:
+        os.umask(mask)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / f"out{suffix}").stat().st_mode & 0o777 == 0o644

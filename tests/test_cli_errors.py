@@ -112,7 +112,7 @@ def test_prune_reports_bytes_it_deleted(run_dir):
 
 @pytest.mark.parametrize("args, code, message", [
     (["show", "{run}", str(2**63)], 2, "datastates-hist show: error: argument step: '9223372036854775808' is not a step "
-     "(a whole number from 0 to 2**63-1)"),
+     "(a whole number from 0 to 2**63-1, latest, or -N for the Nth newest)"),
     (["export", "{run}", "0", "--to", "{tmp}/no/such/folder/out.pt"], EXIT_IO,
      "datastates-hist: cannot write {tmp}/no/such/folder/out.pt: there is no folder {tmp}/no/such/folder"),
     (["diff", "{run}", "0", str(2**64)], 2,

@@ -99,7 +99,7 @@ def test_latest_and_negative_steps_count_back_from_the_newest(run):
     out = cli("show", run, "newest")
     assert out.returncode == 2
     assert out.stderr.splitlines()[-1] == ("datastates-hist show: error: argument step: 'newest' is not a step "
-                                           "(a whole number from 0 to 2**63-1)")
+                                           "(a whole number from 0 to 2**63-1, latest, or -N for the Nth newest)")
 
 
 def test_show_names_filters_by_glob(run):

@@ -65,4 +65,5 @@ def test_verify_of_a_step_that_is_no_number_is_a_usage_error(run):
     out = cli("verify", run, "newest")
     assert (out.returncode, out.stdout) == (EXIT_USAGE, "")
     assert out.stderr.splitlines()[-1] == ("datastates-hist verify: error: argument STEP: 'newest' is not a step "
-                                           "(a whole number from 0 to 2**63-1)")
+                                           "(a whole number from 0 to 2**63-1, latest, "
+                                           "or -N for the Nth newest)")

@@ -61,7 +61,11 @@ def step_choice(text: str) -> int:
     back = text.removeprefix("-")
     if back != text and back.isascii() and back.isdigit() and int(back) > 0:
         return -int(back)
-    return step_number(text)
+    try:
+        return step_number(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step (a whole number from 0 to 2**63-1, latest, "
+                                         "or -N for the Nth newest)") from None
 
 
 def count(text: str) -> int:

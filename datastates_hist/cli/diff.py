@@ -19,6 +19,7 @@ is ranked last of its group by it.
 from __future__ import annotations
 
 import math
+import sys
 from argparse import ArgumentTypeError
 
 from ..items import under
@@ -34,6 +35,9 @@ GROUPS = ("model", "extra", "optim")
 
 def add_parser(sub):
     cmd = sub.add_parser("diff", help="compare the tensors of two steps",
+                         # argparse would show the targets as repeatable: two steps, one comparison
+                         usage="%(prog)s [-h] [--names GLOB] [--top N] [--sort METRIC]\n"
+                               "       [--all] [--json] (RUN A B | RUN_A:STEP RUN_B:STEP)",
                          description="Compare RUN at steps A and B, or RUN_A:STEP with RUN_B:STEP. "
                                      "A step is a number, latest, or -1 for the newest, -2 for the one before.")
     cmd.add_argument("targets", nargs="+", metavar="RUN A B | RUN_A:STEP RUN_B:STEP")
@@ -85,13 +89,14 @@ def run(args) -> int:
     run_a, a, run_b, b = parse_targets(args.targets)
     with History(run_a) as ha:
         a = resolve_step(ha.store, a)
+        names_a = {r.name for r in ha.store.records(a)}
         if run_b == run_a:
             b = resolve_step(ha.store, b)
-            df = ha.diff(a, b, names=args.names)
+            df, names_b = ha.diff(a, b, names=args.names), {r.name for r in ha.store.records(b)}
         else:
             with History(run_b) as hb:
                 b = resolve_step(hb.store, b)
-                df = ha.diff(a, b, names=args.names, other=hb)
+                df, names_b = ha.diff(a, b, names=args.names, other=hb), {r.name for r in hb.store.records(b)}
     if df.empty:
         raise KeyError(f"step {a} of {run_a} and step {b} of {run_b} have no tensor in common")
     if not (args.names or args.all):
@@ -108,7 +113,21 @@ def run(args) -> int:
     # too narrow a terminal for every name apart: the metrics not ranked by give way first
     gives_way = tuple(m for m in ("frac_changed", "max_abs", "l2", "cosine", "rel_l2") if m != args.sort)
     emit(args, ["name", "shape", *METRICS], rows, data, left=("name",), gives_way=gives_way)
+    if not args.json:
+        say_what_one_step_alone_holds(names_a, names_b, a, b, args.names)
     return 0
+
+
+def say_what_one_step_alone_holds(names_a: set[str], names_b: set[str], a: int, b: int, patterns) -> None:
+    """A line on stderr for the tensors that one step holds and the other not (a trajectory
+    point keeps only the trajectory's): left out of the comparison, not unchanged."""
+    from ..items import matches
+
+    only = [(len([n for n in mine - theirs if patterns is None or matches(n, patterns)]), step)
+            for mine, theirs, step in ((names_a, names_b, a), (names_b, names_a, b))]
+    parts = [f"{n} tensor{'s' if n > 1 else ''} only in step {step}" for n, step in only if n]
+    if parts:
+        print(f"({', '.join(parts)}: not compared)", file=sys.stderr)
 
 
 def shape_text(shape) -> str:

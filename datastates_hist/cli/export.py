@@ -117,6 +117,7 @@ def run(args) -> int:
             from safetensors.torch import save_file
 
             save_file(tensors, tmp, metadata={"run": os.path.abspath(args.run), "step": str(step)})
+            os.chmod(tmp, 0o666 & ~current_umask())  # safetensors makes it private (0600); an export is shared
         else:
             import torch
 
@@ -137,6 +138,12 @@ def run(args) -> int:
         remove_tree(aside)
     print(f"wrote {len(tensors)} tensors of step {step} to {target}")
     return 0
+
+
+def current_umask() -> int:
+    mask = os.umask(0)  # the only way to read it; set back at once (the command runs one thread)
+    os.umask(mask)
+    return mask
 
 
 def write_failure(exc: BaseException) -> str:
