@@ -477,7 +477,8 @@ def open_existing(run_dir: str) -> "Index":
     """The index of the run at ``run_dir``, opened for reading; a folder that is missing
     is :class:`StoreNotFoundError` ``no run at``, one without an index another."""
     if not os.path.isdir(run_dir):
-        raise StoreNotFoundError(f"no run at {run_dir}")
+        raise StoreNotFoundError(f"no run at {run_dir}" + (": it is a file, and a run is a folder"
+                                                           if os.path.isfile(run_dir) else ""))
     return Index(run_dir)
 
 

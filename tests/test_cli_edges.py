@@ -267,3 +267,18 @@ def test_an_exported_file_is_as_readable_as_any_file_made_here(run, tmp_path, su
         os.umask(mask)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / f"out{suffix}").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_run_that_is_a_file_is_named_so(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    out = cli("ls", tmp_path / "notes.txt")
+    assert (out.returncode, out.stdout) == (EXIT_MISSING, "")
+    assert out.stderr == f"datastates-hist: no run at {tmp_path / 'notes.txt'}: it is a file, and a run is a folder\n"
+
+
+def test_a_step_from_pattern_is_quoted_as_typed(tmp_path):
+    torch.save({"w": torch.ones(1)}, tmp_path / "a.pt")
+    out = cli("import", tmp_path / "run", tmp_path / "a.pt", "--step-from", r"stp(\d+)")
+    assert out.returncode == EXIT_USAGE
+    assert last_line(out) == (f"datastates-hist: cannot tell the step of {tmp_path / 'a.pt'}: --step-from "
+                              r"'stp(\d+)' finds no step in its name 'a'")

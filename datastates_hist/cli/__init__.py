@@ -39,6 +39,12 @@ EXIT_CODES = {
 }
 
 
+def add_command(sub, name: str, help: str, **kwargs):
+    """A command's parser, its ``--help`` opening with what the list of commands says of it."""
+    kwargs.setdefault("description", help[0].upper() + help[1:] + ".")
+    return sub.add_parser(name, help=help, **kwargs)
+
+
 def step_number(text: str) -> int:
     """A step given on the command line: a whole number the index can hold."""
     from ..layout import MAX_STEP

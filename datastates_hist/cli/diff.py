@@ -23,7 +23,7 @@ import sys
 from argparse import ArgumentTypeError
 
 from ..items import under
-from . import count, resolve_step, step_choice
+from . import add_command, count, resolve_step, step_choice
 from .output import add_json_flag, emit
 
 METRICS = ("l2", "rel_l2", "max_abs", "cosine", "frac_changed")
@@ -34,7 +34,7 @@ GROUPS = ("model", "extra", "optim")
 
 
 def add_parser(sub):
-    cmd = sub.add_parser("diff", help="compare the tensors of two steps",
+    cmd = add_command(sub, "diff", help="compare the tensors of two steps",
                          # argparse would show the targets as repeatable: two steps, one comparison
                          usage="%(prog)s [-h] [--names GLOB] [--top N] [--sort METRIC]\n"
                                "       [--all] [--json] (RUN A B | RUN_A:STEP RUN_B:STEP)",

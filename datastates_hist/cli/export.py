@@ -20,13 +20,13 @@ from __future__ import annotations
 import os
 
 from ..durable import remove_tree
-from . import STEP_HELP, resolve_step, step_choice
+from . import STEP_HELP, add_command, resolve_step, step_choice
 
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".dcp": "dcp"}
 
 
 def add_parser(sub):
-    cmd = sub.add_parser("export", help="write one step's tensors to safetensors, a torch file or a DCP checkpoint")
+    cmd = add_command(sub, "export", help="write one step's tensors to safetensors, a torch file or a DCP checkpoint")
     cmd.add_argument("run", help="the run directory")
     cmd.add_argument("step", type=step_choice, help=STEP_HELP)
     cmd.add_argument("--to", required=True, metavar="PATH",

@@ -18,12 +18,12 @@ from __future__ import annotations
 import sys
 
 from ..retention import CODECS
-from . import EXIT_MISSING
+from . import EXIT_MISSING, add_command
 from .output import size
 
 
 def add_parser(sub):
-    cmd = sub.add_parser("import", help="build a history from torch.save, safetensors, transformers or DCP "
+    cmd = add_command(sub, "import", help="build a history from torch.save, safetensors, transformers or DCP "
                                         "checkpoints")
     cmd.add_argument("run", help="the run directory (created if missing)")
     cmd.add_argument("sources", nargs="+", metavar="SOURCE",

@@ -9,6 +9,7 @@ prints at once.
 from __future__ import annotations
 
 from ..index import Index, open_existing
+from . import add_command
 from .output import add_json_flag, emit, size, when
 
 
@@ -18,7 +19,7 @@ def add_parser(sub):
 
 def add_run_command(sub, name: str, help_text: str):
     """The parser of a command that reads one run: ``RUN [--json]``."""
-    cmd = sub.add_parser(name, help=help_text)
+    cmd = add_command(sub, name, help=help_text)
     cmd.add_argument("run", help="the run directory")
     add_json_flag(cmd)
     return cmd

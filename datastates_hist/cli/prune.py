@@ -13,13 +13,13 @@ steps that would be deleted and the bytes that would be freed (per step with
 from __future__ import annotations
 
 from ..retention import doomed, policies, protect_bases, step_bytes
-from . import count
+from . import add_command, count
 from ..index import open_existing
 from .output import add_json_flag, emit, size
 
 
 def add_parser(sub):
-    cmd = sub.add_parser("prune", help="delete steps that no retention rule keeps")
+    cmd = add_command(sub, "prune", help="delete steps that no retention rule keeps")
     cmd.add_argument("run", help="the run directory")
     cmd.add_argument("--keep-last", type=count, metavar="N", help="keep the N newest steps")
     cmd.add_argument("--keep-every", type=count, metavar="K", help="keep every step divisible by K")

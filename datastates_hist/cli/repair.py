@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import os
 
-from . import EXIT_FAILED
+from . import EXIT_FAILED, add_command
 from .output import add_json_flag, emit
 
 
 def add_parser(sub):
-    cmd = sub.add_parser("repair", help="rebuild a damaged index from the step data")
+    cmd = add_command(sub, "repair", help="rebuild a damaged index from the step data")
     cmd.add_argument("run", help="the run directory")
     cmd.add_argument("--force", action="store_true", help="rebuild even when the index looks healthy")
     cmd.add_argument("--no-verify", dest="verify", action="store_false",

@@ -13,12 +13,12 @@ restore unit.
 
 from __future__ import annotations
 
-from . import STEP_HELP, resolve_step, step_choice
+from . import STEP_HELP, add_command, resolve_step, step_choice
 from .output import add_json_flag, emit, size
 
 
 def add_parser(sub):
-    cmd = sub.add_parser("show", help="list the tensors of one step")
+    cmd = add_command(sub, "show", help="list the tensors of one step")
     cmd.add_argument("run", help="the run directory")
     cmd.add_argument("step", type=step_choice, help=STEP_HELP)
     cmd.add_argument("--names", action="append", metavar="GLOB",

@@ -19,15 +19,17 @@ import sys
 from collections import Counter
 
 from ..index import TENSOR_STATS
+from . import add_command
 from .output import add_json_flag, console, emit, num
 
 BARS = "▁▂▃▄▅▆▇█"
 LOG_SCALE_STATS = ("update_ratio",)
+LEGEND_MAX = 10  # tensors a plot's legend names; more would hide the panels
 AXIS_LABELS = {"update_ratio": "update ratio  ‖x − x_base‖ / ‖x_base‖"}
 
 
 def add_parser(sub):
-    cmd = sub.add_parser("trace", help="scalars (a loss) and one statistic of tensors over all steps")
+    cmd = add_command(sub, "trace", help="scalars (a loss) and one statistic of tensors over all steps")
     cmd.add_argument("run", help="the run directory")
     cmd.add_argument("names", nargs="+", metavar="NAME",
                      help="tensor names ('model/' may be left out), scalar names ('loss', "
@@ -75,7 +77,8 @@ def run(args) -> int:
               for name in df.columns}
     if plot_path:
         plot(steps, series, tensors, args.stat, plot_path, label)
-        print(f"wrote {plot_path}", file=sys.stderr)  # stdout holds the table, or the JSON
+        unnamed = f" ({len(tensors)} tensors: too many to name in a legend)" if len(tensors) > LEGEND_MAX else ""
+        print(f"wrote {plot_path}{unnamed}", file=sys.stderr)  # stdout holds the table, or the JSON
     data = {"stat": args.stat, "steps": steps, "series": series}
     if len(series) == 1:  # one series: its name and values at the top level too
         (name, values), = series.items()
@@ -130,7 +133,7 @@ def plot(steps, series: dict[str, list], tensors: set[str], stat: str, path: str
         raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
     scalars = [n for n in series if n not in tensors]
     panels = [[n] for n in scalars] + ([[n for n in series if n in tensors]] if tensors else [])
-    legend = 1 < len(tensors) <= 10  # names the tensors' lines, right of the panels so that it hides none
+    legend = 1 < len(tensors) <= LEGEND_MAX  # names the tensors' lines, right of the panels so that it hides none
     width = 7 + (0.07 * max(len(label[n]) for n in tensors) + 0.6 if legend else 0)
     fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False, figsize=(width, 1.2 + 2.3 * len(panels)))
     for ax, names in zip(axes[:, 0], panels):

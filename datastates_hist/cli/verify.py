@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import sys
 
-from . import EXIT_FAILED, STEP_HELP, resolve_step, step_choice
+from . import EXIT_FAILED, STEP_HELP, add_command, resolve_step, step_choice
 from .output import add_json_flag, emit, size
 
 
 def add_parser(sub):
-    cmd = sub.add_parser("verify", help="check every tensor of a run against its checksum")
+    cmd = add_command(sub, "verify", help="check every tensor of a run against its checksum")
     cmd.add_argument("run", help="the run directory")
     cmd.add_argument("steps", type=step_choice, nargs="*", metavar="STEP",
                      help=f"steps to check (default: every step); each {STEP_HELP}")

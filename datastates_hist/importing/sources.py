@@ -88,9 +88,9 @@ def step_pattern(regex: str | None) -> re.Pattern:
     try:
         pattern = re.compile(regex)
     except re.error as exc:
-        raise ValueError(f"--step-from {regex!r} is not a regular expression: {exc}") from None
+        raise ValueError(f"--step-from '{regex}' is not a regular expression: {exc}") from None
     if pattern.groups != 1:
-        raise ValueError(f"--step-from {regex!r} needs exactly one group, the step's digits, "
+        raise ValueError(f"--step-from '{regex}' needs exactly one group, the step's digits, "
                          r"such as 'step_(\d+)'")
     return pattern
 
@@ -108,7 +108,7 @@ def step_of(path: str, pattern: re.Pattern) -> int:
         raise ValueError(f"cannot tell the step of {path}: no step number in its name {name!r} "
                          r"(give one with --step-from REGEX, e.g. 'step_(\d+)')")
     if found is None or found.group(1) is None:
-        raise ValueError(f"cannot tell the step of {path}: --step-from {pattern.pattern!r} finds no step "
+        raise ValueError(f"cannot tell the step of {path}: --step-from '{pattern.pattern}' finds no step "
                          f"in its name {name!r}")
     digits = found.group(1)
     if not (digits.isascii() and digits.isdigit()):
