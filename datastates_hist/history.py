@@ -362,7 +362,8 @@ def selection(index: Any, shape: tuple[int, ...]) -> tuple[tuple, tuple, tuple]:
     return tuple(start), tuple(count), tuple(post)
 
 
-def _compared(name: str, patterns: list[str] | None) -> bool:
+def compared(name: str, patterns: list[str] | None) -> bool:
+    """Whether a diff compares tensor ``name`` (given ``--names`` ``patterns``, or None)."""
     if patterns is None:  # RNG states change every step and say nothing about the model
         return not name.startswith("rng/")
     return matches(name, patterns)
@@ -379,7 +380,7 @@ def diff_steps(ha: History, a: int, hb: History, b: int, names=None):
     ra = {r.name: r for r in ha.store.records(a)}
     rb = {r.name: r for r in hb.store.records(b)}
     rows = []
-    for name in [n for n in ra if n in rb and _compared(n, patterns)]:
+    for name in [n for n in ra if n in rb and compared(n, patterns)]:
         if ra[name].shape != rb[name].shape:
             rows.append({"name": name, "shape": ra[name].shape, "integral": False,  # not compared
                          "note": f"shape {list(ra[name].shape)} -> {list(rb[name].shape)}",

@@ -116,7 +116,8 @@ def test_prune_reports_bytes_it_deleted(run_dir):
     (["export", "{run}", "0", "--to", "{tmp}/no/such/folder/out.pt"], EXIT_IO,
      "datastates-hist: cannot write {tmp}/no/such/folder/out.pt: there is no folder {tmp}/no/such/folder"),
     (["diff", "{run}", "0", str(2**64)], 2,
-     f"datastates-hist: diff takes RUN A B or RUN_A:STEP RUN_B:STEP, got {{run}} 0 {2**64}"),
+     f"datastates-hist: diff: '{2**64}' is not a step (a whole number from 0 to 2**63-1, latest, "
+     "or -N for the Nth newest)"),
     (["verify", "{run}", "7"], 3, "datastates-hist: step 7 is not committed in {run} (committed steps: 0..2 (3))"),
 ])
 def test_errors_are_one_line_with_their_exit_code(tmp_path, run_dir, args, code, message):

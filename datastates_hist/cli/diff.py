@@ -64,8 +64,8 @@ def parse_targets(targets: list[str]) -> tuple[str, int, str, int]:
         if len(targets) == 2 and all(":" in t for t in targets):
             (ra, sa), (rb, sb) = (t.rsplit(":", 1) for t in targets)
             return ra, step_choice(sa), rb, step_choice(sb)
-    except ArgumentTypeError:
-        pass
+    except ArgumentTypeError as exc:
+        raise ValueError(f"diff: {exc}") from None
     raise ValueError(f"diff takes RUN A B or RUN_A:STEP RUN_B:STEP, got {' '.join(targets)}")
 
 
@@ -121,9 +121,9 @@ def run(args) -> int:
 def say_what_one_step_alone_holds(names_a: set[str], names_b: set[str], a: int, b: int, patterns) -> None:
     """A line on stderr for the tensors that one step holds and the other not (a trajectory
     point keeps only the trajectory's): left out of the comparison, not unchanged."""
-    from ..items import matches
+    from ..history import compared
 
-    only = [(len([n for n in mine - theirs if patterns is None or matches(n, patterns)]), step)
+    only = [(len([n for n in mine - theirs if compared(n, patterns)]), step)
             for mine, theirs, step in ((names_a, names_b, a), (names_b, names_a, b))]
     parts = [f"{n} tensor{'s' if n > 1 else ''} only in step {step}" for n, step in only if n]
     if parts:

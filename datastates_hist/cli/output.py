@@ -34,30 +34,48 @@ def emit(args, columns: list[str], rows: list[list[Any]], data: Any, left=("name
         print()
         return
     out = console()
+    shown, cells, by_column, need = layout(columns, rows, [], out.width, wrap)
     left_out: list[str] = []
-    while True:
-        kept = [i for i, c in enumerate(columns) if c not in left_out]
-        shown = [columns[i] for i in kept]
-        cells, by_column, need = fitted(shown, [[row[i] for i in kept] for row in rows], out.width, wrap)
-        if need <= out.width or not (split or names in shown):
-            break
-        if split:
-            for n, part in enumerate(column_parts(by_column, out.width)):
-                if n:
-                    out.print()
-                out.print(table([shown[i] for i in part], [[row[i] for i in part] for row in cells], left, wrap))
-            return
-        at = shown.index(names)
-        full = [row[at] for row in cells]
-        short = shorten_names(full, out.width - (need - width_of(by_column[at])))
-        if len(set(short)) == len(set(full)) or len(left_out) == len(gives_way):
-            cells = [[*row[:at], name, *row[at + 1:]] for row, name in zip(cells, short)]
-            break
-        left_out.append(gives_way[len(left_out)])
+    if need > out.width and split:
+        for n, part in enumerate(column_parts(by_column, out.width)):
+            if n:
+                out.print()
+            out.print(table([shown[i] for i in part], [[row[i] for i in part] for row in cells], left, wrap))
+        return
+    if need > out.width and names in columns:
+        left_out, shown, cells = fit_names(columns, rows, names, gives_way, out.width, wrap)
     out.print(table(shown, cells, left, wrap))
     if left_out:
         print(f"({', '.join(left_out)} left out to fit {out.width} columns; --json has every column)",
               file=sys.stderr)
+
+
+def fit_names(columns: list[str], rows: list[list[Any]], names: str, gives_way: tuple[str, ...], width: int,
+              wrap: str | None) -> tuple[list[str], list[str], list[list[str]]]:
+    """(columns left out, columns shown, cells) of a table too wide for ``width``, its
+    column ``names`` shortened: the fewest of ``gives_way`` left out that give the names
+    :data:`MIN_NAME_ROOM` and keep them apart; else the fewest that give them the room."""
+    tried = []
+    for k in range(len(gives_way) + 1):
+        left_out = list(gives_way[:k])
+        shown, cells, by_column, need = layout(columns, rows, left_out, width, wrap)
+        at = shown.index(names)
+        full = [row[at] for row in cells]
+        room = width - (need - width_of(by_column[at]))
+        short = shorten_names(full, room) if need > width else full
+        choice = (left_out, shown, [[*row[:at], name, *row[at + 1:]] for row, name in zip(cells, short)])
+        roomy = need <= width or room >= MIN_NAME_ROOM
+        if roomy and len(set(short)) == len(set(full)):
+            return choice
+        tried.append((roomy, choice))
+    return next((choice for roomy, choice in tried if roomy), tried[-1][1])
+
+
+def layout(columns: list[str], rows: list[list[Any]], left_out: list[str], width: int, wrap: str | None):
+    """The columns shown (those not ``left_out``) and what :func:`fitted` makes of them."""
+    keep = [i for i, c in enumerate(columns) if c not in left_out]
+    return ([columns[i] for i in keep],
+            *fitted([columns[i] for i in keep], [[row[i] for i in keep] for row in rows], width, wrap))
 
 
 def fitted(columns: list[str], rows: list[list[Any]], width: int, wrap: str | None):
@@ -113,7 +131,7 @@ def table(columns: list[str], cells: list[list[str]], left, wrap: str | None = N
     # no edge padding: two spaces between columns and none around them leave the names more room
     grid = Table(show_edge=False, box=None, header_style="bold", pad_edge=False, padding=(0, GAP // 2))
     for i, col in enumerate(columns):
-        grid.add_column(col, justify="left" if i == 0 or col in left else "right", no_wrap=i > 0 and col != wrap,
+        grid.add_column(Text(col), justify="left" if i == 0 or col in left else "right", no_wrap=i > 0 and col != wrap,
                         overflow="fold")
     for row in cells:
         grid.add_row(*map(Text, row))  # as written: a '[' in a name is not rich markup
@@ -133,10 +151,14 @@ def shorten_names(names: list[str], room: int) -> list[str]:
     then each too long :func:`shorten`-ed."""
     from ..items import short_name
 
-    return [shorten(short_name(n), room) for n in names]
+    names = [short_name(n) for n in names]
+    short = [shorten(n, room) for n in names]
+    if len(set(short)) < len(set(names)):  # a cut at a part's start lost what told two apart
+        short = [shorten(n, room, at_part=False) for n in names]
+    return short
 
 
-def shorten(name: str, room: int) -> str:
+def shorten(name: str, room: int, at_part: bool = True) -> str:
     """``name`` in at most ``room`` characters, an ellipsis in place of what is left
     out. The end is kept first: it holds what tells tensors apart (block number,
     parameter, optimizer state), from the start of one of its parts where one is near;
@@ -148,7 +170,7 @@ def shorten(name: str, room: int) -> str:
     head = group if room - len(group) - 1 >= KEPT_END else ""
     start = len(name) - (room - len(head) - 1)
     # from the start of a part of the name (after a '/' or '.') when one is near: 'state/...', not 'm/state/...'
-    reach = min(CUT_REACH, (len(name) - start) // 4)
+    reach = min(CUT_REACH, (len(name) - start) // 4) if at_part else 0
     cut = next((i + 1 for i in range(start - 1, start + reach) if name[i] in "/."), start)
     return head + "…" + name[cut:]
 

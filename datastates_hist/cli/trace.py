@@ -24,6 +24,7 @@ from .output import add_json_flag, console, emit, num
 
 BARS = "▁▂▃▄▅▆▇█"
 LOG_SCALE_STATS = ("update_ratio",)
+MIN_SPARK = 8  # bars a sparkline keeps beside however long a label (the line wraps then)
 LEGEND_MAX = 10  # tensors a plot's legend names; more would hide the panels
 AXIS_LABELS = {"update_ratio": "update ratio  ‖x − x_base‖ / ‖x_base‖"}
 
@@ -87,10 +88,13 @@ def run(args) -> int:
     rows = [[str(s), *(num(values[i]) for values in series.values())] for i, s in enumerate(steps)]
     emit(args, ["step", *columns], rows, data, left=(), names=None, split=True)
     if not args.json:
+        from rich.cells import cell_len
+
         out = console()
         for column, (name, values) in zip(columns, series.items()):
             log = name in tensors and args.stat in LOG_SCALE_STATS
-            out.print(f"{column}: {sparkline(values, log, out.width - len(column) - 2)}")
+            room = max(out.width - cell_len(column) - 2, MIN_SPARK)
+            out.print(f"{column}: {sparkline(values, log, room)}", markup=False, highlight=False)
     return 0
 
 
@@ -101,9 +105,11 @@ def labels(names, tensors: set[str]) -> dict[str, str]:
     from ..items import short_name
     from ..scalars import short_forms
 
-    short = {n: short_name(n) if n in tensors else min(short_forms(n) or [n], key=len) for n in names}
-    taken = Counter(short.values())
-    return {n: s if taken[s] == 1 else n for n, s in short.items()}
+    label = {n: short_name(n) if n in tensors else min(short_forms(n) or [n], key=len) for n in names}
+    while len(set(label.values())) < len(label):  # stored names are distinct: this ends
+        taken = Counter(label.values())
+        label = {n: s if taken[s] == 1 else n for n, s in label.items()}
+    return label
 
 
 def plot_target(path: str) -> str:
