@@ -160,7 +160,8 @@ def repair_run(run_dir: str, force: bool = False, verify: bool = True) -> Repair
     """
     run_dir = os.fspath(run_dir)
     if not os.path.isdir(steps_dir(run_dir)):
-        raise StoreNotFoundError(f"no run at {run_dir} (no steps/ folder)")
+        why = "it is a file, and a run is a folder" if os.path.isfile(run_dir) else "no steps/ folder"
+        raise StoreNotFoundError(f"no run at {run_dir} ({why})")
     lock_fd = take_writer_lock(run_dir)
     try:
         leftover_removed = _remove_rebuilding(run_dir)

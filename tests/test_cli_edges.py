@@ -301,3 +301,16 @@ def test_a_name_holding_brackets_is_printed_as_written(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0].split() == ["step", "acc[top1]", "loss"]
     assert out.stdout.splitlines()[-2] == "acc[top1]: ▁▅█"
+
+
+def test_diff_of_a_step_with_itself_says_so(run):
+    out = cli("diff", run, "1", "1")
+    assert out.returncode == 0 and out.stderr == "(step 1 compared with itself: nothing changed)\n"
+    assert {line.split()[3] for line in out.stdout.splitlines()[1:]} == {"0"}  # rel_l2
+
+
+def test_repair_of_a_file_names_it_a_file(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    out = cli("repair", tmp_path / "notes.txt")
+    assert (out.returncode, out.stdout) == (EXIT_MISSING, "")
+    assert out.stderr == f"datastates-hist: no run at {tmp_path / 'notes.txt'} (it is a file, and a run is a folder)\n"

@@ -19,6 +19,7 @@ is ranked last of its group by it.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from argparse import ArgumentTypeError
 
@@ -115,6 +116,8 @@ def run(args) -> int:
     emit(args, ["name", "shape", *METRICS], rows, data, left=("name",), gives_way=gives_way)
     if not args.json:
         say_what_one_step_alone_holds(names_a, names_b, a, b, args.names)
+        if a == b and os.path.realpath(run_a) == os.path.realpath(run_b):
+            print(f"(step {a} compared with itself: nothing changed)", file=sys.stderr)
     return 0
 
 
