@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from .errors import CorruptionError, FormatError, StoreNotFoundError
 from .items import TensorRecord, is_distribution
-from .layout import INDEX_FILE, PARTIAL, RANKS_SUFFIX, entry_path, finished_units, index_path, step_stem, steps_dir
+from .layout import (INDEX_FILE, PARTIAL, RANKS_SUFFIX, entry_path, file_not_run, finished_units, index_path,
+                     step_stem, steps_dir)
 
 FORMAT_VERSION = 5
 
@@ -477,8 +478,8 @@ def open_existing(run_dir: str) -> "Index":
     """The index of the run at ``run_dir``, opened for reading; a folder that is missing
     is :class:`StoreNotFoundError` ``no run at``, one without an index another."""
     if not os.path.isdir(run_dir):
-        raise StoreNotFoundError(f"no run at {run_dir}" + (": it is a file, and a run is a folder"
-                                                           if os.path.isfile(run_dir) else ""))
+        why = file_not_run(run_dir)
+        raise StoreNotFoundError(f"no run at {run_dir}" + (f": {why}" if why else ""))
     return Index(run_dir)
 
 

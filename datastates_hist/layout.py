@@ -130,6 +130,11 @@ def _file_bytes(path: str) -> int:
     return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
+def file_not_run(run_dir: str) -> str | None:
+    """Why ``run_dir`` holds no run, where it is a file (a user's slip worth naming)."""
+    return "it is a file, and a run is a folder" if os.path.isfile(run_dir) else None
+
+
 def take_writer_lock(run_dir: str) -> int:
     """Take the run's one writer lock (``RUN/writer.lock``, flock); its descriptor.
     Raises :class:`StoreLockedError` naming the holder."""

@@ -73,8 +73,9 @@ from .durable import fsync_dir, fsync_path, remove_tree, rename_into_place
 from .errors import CorruptionError, FormatError, StoreNotFoundError
 from .index import FORMAT_VERSION, MAX_TIME, Index, StepRow
 from .items import TensorRecord
-from .layout import (DAMAGED_DIR, MAX_STEP, RANKS_SUFFIX, REBUILDING_DIR, finished_units, index_path,
-                     main_of_restore_unit, rank_file, restore_unit, step_of_unit, steps_dir, take_writer_lock)
+from .layout import (DAMAGED_DIR, MAX_STEP, RANKS_SUFFIX, REBUILDING_DIR, file_not_run, finished_units,
+                     index_path, main_of_restore_unit, rank_file, restore_unit, step_of_unit, steps_dir,
+                     take_writer_lock)
 from .scalars import scalars_of
 from .store import DECODED_PER_TENSOR, StepData
 
@@ -160,8 +161,7 @@ def repair_run(run_dir: str, force: bool = False, verify: bool = True) -> Repair
     """
     run_dir = os.fspath(run_dir)
     if not os.path.isdir(steps_dir(run_dir)):
-        why = "it is a file, and a run is a folder" if os.path.isfile(run_dir) else "no steps/ folder"
-        raise StoreNotFoundError(f"no run at {run_dir} ({why})")
+        raise StoreNotFoundError(f"no run at {run_dir} ({file_not_run(run_dir) or 'no steps/ folder'})")
     lock_fd = take_writer_lock(run_dir)
     try:
         leftover_removed = _remove_rebuilding(run_dir)

@@ -36,11 +36,11 @@ GROUPS = ("model", "extra", "optim")
 
 def add_parser(sub):
     cmd = add_command(sub, "diff", help="compare the tensors of two steps",
-                         # argparse would show the targets as repeatable: two steps, one comparison
-                         usage="%(prog)s [-h] [--names GLOB] [--top N] [--sort METRIC]\n"
-                               "       [--all] [--json] (RUN A B | RUN_A:STEP RUN_B:STEP)",
-                         description="Compare RUN at steps A and B, or RUN_A:STEP with RUN_B:STEP. "
-                                     "A step is a number, latest, or -1 for the newest, -2 for the one before.")
+                      # argparse would show the targets as repeatable: two steps, one comparison
+                      usage="%(prog)s [-h] [--names GLOB] [--top N] [--sort METRIC]\n"
+                            "       [--all] [--json] (RUN A B | RUN_A:STEP RUN_B:STEP)",
+                      description="Compare RUN at steps A and B, or RUN_A:STEP with RUN_B:STEP. "
+                                  "A step is a number, latest, or -1 for the newest, -2 for the one before.")
     cmd.add_argument("targets", nargs="+", metavar="RUN A B | RUN_A:STEP RUN_B:STEP")
     cmd.add_argument("--names", action="append", metavar="GLOB",
                      help="only tensors matching GLOB ('model/' may be left out); repeatable")

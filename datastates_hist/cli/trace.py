@@ -36,9 +36,9 @@ def add_parser(sub):
                      help="tensor names ('model/' may be left out), scalar names ('loss', "
                           "'optim/param_groups/0/lr') or globs of either ('blocks.0.*')")
     cmd.add_argument("--stat", choices=TENSOR_STATS, default="norm", metavar="STAT",
-                     help=f"the statistic of tensors: {', '.join(TENSOR_STATS)} (default norm); update_ratio: ||x - x_base|| / ||x_base|| "
-                          "of the steps stored as a delta against x_base (the step before when every step is "
-                          "kept), blank at key steps")
+                     help=f"the statistic of tensors: {', '.join(TENSOR_STATS)} (default norm); "
+                          "update_ratio: ||x - x_base|| / ||x_base|| of the steps stored as a delta against "
+                          "x_base (the step before when every step is kept), blank at key steps")
     cmd.add_argument("--plot", metavar="FILE", help="also write a matplotlib figure (PNG, PDF, SVG)")
     add_json_flag(cmd)
     return cmd
