@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import blosc2
 import numpy as np
@@ -453,22 +454,29 @@ def check_chunks(chunks, raw_nbytes: int, stored_nbytes: int, itemsize: int, shi
 
 def decode(blob: np.ndarray, chunks: list[list[int]], itemsize: int, out: np.ndarray,
            base: np.ndarray | None = None, base2: np.ndarray | None = None, drop: int = 0,
-           dtype: str | None = None) -> None:
+           dtype: str | None = None, predict: Callable[[int, int, np.ndarray], None] | None = None) -> None:
     """Decode ``blob`` into ``out`` (``sum(raw_len)`` bytes), adding back the prediction
     from ``base`` (and ``base2``) for a delta (``drop``: the bits a :data:`SHIFTED` chunk's
     residual was shifted by; ``dtype``: the tensor's, which a :data:`GROUPED` chunk's
-    order follows). Raises ValueError on any inconsistency."""
+    order follows). ``predict(start, stop, into)``, instead of ``base``: a delta against a
+    prediction computed chunk by chunk, which writes the prediction of bytes
+    ``[start, stop)`` into ``into`` (the whole prediction is never held: one chunk's
+    scratch, reused while it is in the CPU cache). Raises ValueError on any inconsistency."""
     _check_byte_array("blob", blob)
     _check_byte_array("out", out, writeable=True)
     if base2 is not None and base is None:
         raise ValueError("a second base without a first")
+    if predict is not None and base is not None:
+        raise ValueError("a delta against a base or a prediction, not both")
     _check_bases(base, base2, out.size, "the tensor")
     residuals = _Residuals(itemsize)
-    groups = base is not None and dtype in GROUP_KEYS
+    delta = base is not None or predict is not None
+    groups = delta and dtype in GROUP_KEYS
     if groups and torch_dtype(dtype).itemsize != itemsize:
         raise ValueError(f"a {dtype} delta of {itemsize}-byte elements")
-    check_chunks(chunks, out.size, blob.size, itemsize, shifts=bool(drop) and base is not None, groups=groups)
+    check_chunks(chunks, out.size, blob.size, itemsize, shifts=bool(drop) and delta, groups=groups)
     grouped = np.empty(max((raw for raw, _, flag in chunks if flag & GROUPED), default=0), np.uint8)
+    predicted = np.empty(max((raw for raw, _, _ in chunks), default=0) if predict else 0, np.uint8)
     src = dst = 0
     for i, (raw_len, stored_len, flag) in enumerate(chunks):
         stored = blob[src:src + stored_len]
@@ -486,8 +494,12 @@ def decode(blob: np.ndarray, chunks: list[list[int]], itemsize: int, out: np.nda
                 blosc2.decompress2(stored, dst=residual, nthreads=1)
             except (RuntimeError, ValueError) as e:
                 raise ValueError(f"chunk {i} does not decompress: {e}") from None
-        if base is not None:
-            b1, b2 = base[dst:dst + raw_len], None if base2 is None else base2[dst:dst + raw_len]
+        if delta:
+            if predict is not None:
+                b1, b2 = predicted[:raw_len], None
+                predict(dst, dst + raw_len, b1)
+            else:
+                b1, b2 = base[dst:dst + raw_len], None if base2 is None else base2[dst:dst + raw_len]
             if flag & GROUPED:
                 group(residual, b1, target, dtype, inverse=True)
             shift = drop if flag & SHIFTED else 0

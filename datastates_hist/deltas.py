@@ -165,6 +165,8 @@ class Anchors:
             values.append(found.data)
         encoding.prediction = _Prediction(dict(predictor), values, encoding.base2, _NormAccumulator(base.dtype))
         encoding.base2 = None
+        if not predictors.GROUPED[predictor["kind"]]:  # nothing added yet: the encoder is new
+            encoding.encoder = Encoder(base.dtype, delta=True, grouped=False)
         return True
 
     def committed(self) -> None:

@@ -41,6 +41,12 @@ ADAM_SECOND_MOMENT = "adam_second_moment"
 ADAM_FIRST_MOMENT = "adam_first_moment"
 KINDS = (ADAM_SECOND_MOMENT, ADAM_FIRST_MOMENT)
 DTYPES = ("float32",)
+# Whether the writer stores a kind's residual grouped by exponent (codecs.GROUPED; the
+# decoder reads either from the chunk table). The second moment's: 0.055 -> 0.037 of its
+# raw bytes. The first moment's only 0.373 -> 0.359, for a decode 1.4x slower (the
+# prediction's float64 quadratic and the ungrouping's gather are its two largest costs;
+# small GPT, tools/bench_codecs.py; docs/performance.md, "Codec speed"): left ungrouped.
+GROUPED = {ADAM_SECOND_MOMENT: True, ADAM_FIRST_MOMENT: False}
 BLOCK = 1 << 16  # elements per numpy pass: the passes stay in the CPU cache
 # the first moment's step size and decay are fitted on this many elements, spread evenly over
 # the first piece (the GPT small's ratio is the same as with 32 Ki, and the fit 4x cheaper)

@@ -544,12 +544,16 @@ class StepData:
         """Decode ``blob`` into ``out`` against ``bases`` and check the checksum: no state
         of the store is touched, so several threads may decode at once."""
         try:
+            itemsize = storage_dtype(torch_dtype(rec.dtype)).itemsize
             if rec.predictor is not None:  # bases: its own at the base step, then those the prediction reads
-                predicted = np.empty(rec.nbytes, np.uint8)
-                predictors.predict(rec.predictor, bases[1:], bases[0], predicted)
-                bases = [predicted]
-            decode(blob, rec.chunks, storage_dtype(torch_dtype(rec.dtype)).itemsize, out, *bases,
-                   drop=rec.dropped_bits, dtype=rec.dtype)
+                own, values = bases[0], bases[1:]
+
+                def predict(start: int, stop: int, into: np.ndarray) -> None:
+                    predictors.predict(rec.predictor, [v[start:stop] for v in values], own[start:stop], into)
+
+                decode(blob, rec.chunks, itemsize, out, drop=rec.dropped_bits, dtype=rec.dtype, predict=predict)
+            else:
+                decode(blob, rec.chunks, itemsize, out, *bases, drop=rec.dropped_bits, dtype=rec.dtype)
         except ValueError as exc:
             raise CorruptionError(f"tensor {rec.name!r} of step {self.row.step} in {self.run_dir} cannot be "
                                   f"decoded: {exc}: the stored data is damaged") from None

@@ -561,6 +561,32 @@ def test_a_delta_against_two_bases_is_grouped_by_the_first_base_not_the_extrapol
     assert np.array_equal(out, x.view(np.uint8))
 
 
+def test_a_delta_against_a_prediction_decodes_with_the_prediction_made_chunk_by_chunk():
+    """decode(predict=...): the reader's way for predicted deltas, one chunk of the
+    prediction at a time, gives what decoding against the whole prediction gives."""
+    rng = np.random.default_rng(3)
+    n = (2 * CHUNK_BYTES + 4096) // 4
+    predicted = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    x = (predicted + rng.standard_normal(n).astype(np.float32) * 1e-5).astype(np.float32)
+    encoder = Encoder("float32", delta=True)
+    encoder.add(x.view(np.uint8), predicted.view(np.uint8))
+    blob, chunks, _ = encoder.finish()
+    assert len(chunks) == 3
+    asked = []
+
+    def predict(start, stop, into):
+        asked.append((start, stop, into.size))
+        into[:] = predicted.view(np.uint8)[start:stop]
+
+    out = np.empty(x.nbytes, np.uint8)
+    decode(blob, chunks, 4, out, dtype="float32", predict=predict)
+    assert np.array_equal(out, x.view(np.uint8))
+    bounds = np.cumsum([0] + [raw for raw, _, _ in chunks]).tolist()
+    assert asked == [(a, b, b - a) for a, b in zip(bounds, bounds[1:])]
+    with pytest.raises(ValueError, match=r"^a delta against a base or a prediction, not both$"):
+        decode(blob, chunks, 4, out, predicted.view(np.uint8), dtype="float32", predict=predict)
+
+
 def test_a_grouped_chunk_is_refused_where_no_float_delta_is():
     previous, current = _stored(PREVIOUS, "float32"), _stored(CURRENT, "float32")
     encoder = Encoder("float32", delta=True)

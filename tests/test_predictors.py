@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import datastates_hist as dh
-from datastates_hist import predictors
+from datastates_hist import codecs, predictors
 from datastates_hist.digest import _fused
 from datastates_hist.errors import CorruptionError
 from datastates_hist.items import TensorRecord
@@ -178,6 +178,9 @@ def test_adamw_moments_store_little_more_than_rounding(tmp_path):
     # against their 2-step extrapolations they took 0.59 and 0.82 of their bytes (GPT small)
     assert second.stored < 0.25 * second.nbytes, second.stored / second.nbytes
     assert first.stored < 0.6 * first.nbytes, first.stored / first.nbytes
+    # the second moment's residual grouped by exponent, the first moment's not (predictors.GROUPED)
+    assert {flag & codecs.GROUPED for _, _, flag in second.chunks} == {codecs.GROUPED}
+    assert {flag & codecs.GROUPED for _, _, flag in first.chunks} == {0}
     with dh.open(str(tmp_path / "run")) as h:  # against the base, not the prediction
         for name, rec in (("exp_avg", first), ("exp_avg_sq", second)):
             x, base = (h.read(f"optim/state/0.weight/{name}", s).to(torch.float64) for s in (19, 18))

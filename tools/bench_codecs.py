@@ -142,8 +142,9 @@ def codec_rows(states: list[dict], keep_bits: int) -> list[tuple]:
             rows.append((kind, mode, stored / raw, raw / enc / 1e6, raw / dec / 1e6, ""))
     rows += predicted_rows(states, [s["step"] for s in states])
     rows += predicted_rows(states, [s["step"] for s in states], grouped=False)
-    writer = {("weights", "delta, 2 bases"), ("exp_avg", "predicted from the weights' update"),
-              ("exp_avg_sq", "predicted from exp_avg")}
+    writer = {("weights", "delta, 2 bases"), ("exp_avg", "predicted from the weights' update, ungrouped"),
+              ("exp_avg_sq", "predicted from exp_avg")}  # predictors.GROUPED
+    rows = [row[:5] + ("the writer's",) if (row[0], row[1]) in writer else row for row in rows]
     ratios = [row[2] for row in rows if (row[0], row[1]) in writer]  # the three are of equal size
     rows.append(("all state", "the writer's", sum(ratios) / len(ratios), float("nan"), float("nan"),
                  "weights, exp_avg, exp_avg_sq as above"))
@@ -186,7 +187,12 @@ def _predicted(predictor, x, values, base, grouped=True) -> tuple[int, float, fl
     encode = time.perf_counter() - start
     out = np.empty(x.size, np.uint8)
     start = time.perf_counter()
-    codecs.decode(blob, chunks, 4, out, _prediction(predictor, values, base), dtype="float32")
+    if predictor is None:
+        codecs.decode(blob, chunks, 4, out, base, dtype="float32")
+    else:  # as the reader decodes: the prediction computed chunk by chunk
+        def predict(begin, end, into):
+            predictors.predict(predictor, [v[begin:end] for v in values], base[begin:end], into)
+        codecs.decode(blob, chunks, 4, out, dtype="float32", predict=predict)
     decode = time.perf_counter() - start
     assert np.array_equal(out, x), "round trip differs"
     return blob.size, encode, decode
