@@ -297,8 +297,7 @@ class Encoder:
         self._cparams = _cparams(self.itemsize, self.grouped, split=self.grouped and not drop)
         self._stored: list[bytes] = []
         self._chunks: list[list[int]] = []
-        self._residual_buf = np.empty(0, np.uint8)
-        self._grouped_buf = np.empty(0, np.uint8)
+        self._residual_buf = self._grouped_buf = self._predicted_buf = np.empty(0, np.uint8)
         self._residuals = _Residuals(self.itemsize)
         self._norms = _NormAccumulator(dtype) if delta and dtype in LOSSY_DTYPES else None
         # the C kernel (None: numpy) computes the residual, and the norms when this is 1
@@ -321,9 +320,13 @@ class Encoder:
             self._fused_norms = 0
 
     def add(self, piece: np.ndarray, base: np.ndarray | None, base2: np.ndarray | None = None,
-            keep: np.ndarray | None = None, compress: bool = True) -> None:
+            keep: np.ndarray | None = None, compress: bool = True,
+            predict: Callable[[int, int, np.ndarray], None] | None = None) -> None:
         """Encode the next consecutive byte range of the tensor (``base``, ``base2``: the
-        same range of the base tensors, or None without delta). ``keep`` (or None) gets a
+        same range of the base tensors, or None without delta). ``predict(start, stop,
+        into)``, instead of the bases: a delta against a prediction, which writes the
+        prediction of the piece's bytes ``[start, stop)`` into ``into``, chunk by chunk
+        (one chunk's scratch, as :func:`decode` asks for it). ``keep`` (or None) gets a
         copy of the piece once the bases' bytes are read, so it may be ``base2`` itself.
         Without ``compress``, the piece's chunks are stored raw (:data:`STORED_RAW`: a
         delta's residual, ungrouped), which costs one pass instead of the entropy coder's.
@@ -334,8 +337,12 @@ class Encoder:
         if piece.size % self.itemsize:
             raise ValueError(f"piece of {piece.size} bytes is not a whole number of "
                              f"{self.itemsize}-byte {self.dtype} elements")
+        if predict is not None and (base is not None or base2 is not None):
+            raise ValueError("a delta against a base or a prediction, not both")
+        if predict is not None and not self.delta:
+            raise ValueError("a prediction given to an encoder without delta")
         if self.delta:
-            if base is None:
+            if base is None and predict is None:
                 raise ValueError("a delta encoder needs the base's bytes for every piece")
             _check_bases(base, base2, piece.size, "the piece")
         elif base is not None or base2 is not None:
@@ -349,12 +356,16 @@ class Encoder:
             kept = None if keep is None else keep[start:start + CHUNK_BYTES]
             original, flag = chunk, 0
             if self.delta:
-                cut = slice(start, start + CHUNK_BYTES)
-                residual = self._residual(chunk.size)
+                if predict is not None:
+                    b1, b2 = self._scratch("_predicted_buf", chunk.size), None
+                    predict(start, start + chunk.size, b1)
+                else:
+                    cut = slice(start, start + CHUNK_BYTES)
+                    b1, b2 = base[cut], None if base2 is None else base2[cut]
+                residual = self._scratch("_residual_buf", chunk.size)
                 if self._fused_norms is not None and not self.drop:
                     # one pass: the residual, the update ratio's sums and the anchor's copy
-                    diff_sq, base_sq = _fused.residual(chunk, base[cut], None if base2 is None else base2[cut],
-                                                       residual, kept, self._residuals.itemsize,
+                    diff_sq, base_sq = _fused.residual(chunk, b1, b2, residual, kept, self._residuals.itemsize,
                                                        self._fused_norms)
                     if self._fused_norms:
                         self._norms.diff_sq += diff_sq
@@ -362,29 +373,29 @@ class Encoder:
                     kept = None
                 else:
                     if self._norms is not None:
-                        self._norms.add(chunk, base[cut], self.itemsize)
-                    if self._residuals.encode(chunk, base[cut], None if base2 is None else base2[cut],
-                                              residual, self.drop):
+                        self._norms.add(chunk, b1, self.itemsize)
+                    if self._residuals.encode(chunk, b1, b2, residual, self.drop):
                         flag = SHIFTED
                 chunk = residual
                 if self.grouped and compress:
-                    chunk = self._group(residual, base[cut])
+                    chunk = self._group(residual, b1)
                     flag |= GROUPED
             if kept is not None:  # once the bases are read: keep may be base2's buffer
                 kept[:] = original
             self._add_chunk(chunk, flag, compress)
 
-    def _residual(self, size: int) -> np.ndarray:
-        if self._residual_buf.size < size:
-            self._residual_buf = np.empty(size, np.uint8)
-        return self._residual_buf[:size]
+    def _scratch(self, name: str, size: int) -> np.ndarray:
+        """``size`` bytes of the chunk-sized scratch ``name``, reused from chunk to chunk."""
+        buf = getattr(self, name)
+        if buf.size < size:
+            buf = np.empty(size, np.uint8)
+            setattr(self, name, buf)
+        return buf[:size]
 
     def _group(self, residual: np.ndarray, base: np.ndarray) -> np.ndarray:
         """The residual's elements grouped by the exponent of the first base's (``b1``,
         or a predicted delta's prediction: the decoder has either before the residual)."""
-        if self._grouped_buf.size < residual.size:
-            self._grouped_buf = np.empty(residual.size, np.uint8)
-        out = self._grouped_buf[:residual.size]
+        out = self._scratch("_grouped_buf", residual.size)
         group(residual, base, out, self.dtype)
         return out
 
@@ -405,7 +416,7 @@ class Encoder:
         self._finished = True
         blob = np.frombuffer(b"".join(self._stored), np.uint8)
         self._stored = []
-        self._residual_buf = self._grouped_buf = np.empty(0, np.uint8)
+        self._residual_buf = self._grouped_buf = self._predicted_buf = np.empty(0, np.uint8)
         ratio = self._norms.ratio() if self._norms is not None else None
         return blob, self._chunks, ratio
 

@@ -54,7 +54,6 @@ class _Prediction:
     values: list[np.ndarray]
     base2: "_Anchor | None"
     norms: _NormAccumulator
-    scratch: np.ndarray = None
 
 
 @dataclass
@@ -90,19 +89,20 @@ class Encoding:
                 self.prediction, self.base2, p = None, p.base2, None
         base2 = None if self.base2 is None else self.base2.data[self.pos:end]
         keep = None if self.data is None else self.data[self.pos:end]
+        predict = None
         if p is not None:  # the prediction replaces the base (base2 is None)
             if self.pos == 0:  # the update ratio is against the base: computed with the prediction
                 self.encoder.skip_ratio()
-            if p.scratch is None or p.scratch.size < piece.size:
-                p.scratch = np.empty(piece.size, np.uint8)
-            predicted = p.scratch[:piece.size]
-            diff_sq, base_sq = predictors.predict(p.predictor, [v[self.pos:end] for v in p.values], base,
-                                                  predicted, x=piece)
-            p.norms.diff_sq += diff_sq
-            p.norms.base_sq += base_sq
-            base = predicted
+            values, pos, own = p.values, self.pos, base
+
+            def predict(start: int, stop: int, into: np.ndarray) -> None:  # chunk by chunk, in cache
+                diff_sq, base_sq = predictors.predict(p.predictor, [v[pos + start:pos + stop] for v in values],
+                                                      own[start:stop], into, x=piece[start:stop])
+                p.norms.diff_sq += diff_sq
+                p.norms.base_sq += base_sq
+            base = None
         # the anchor's copy comes after encoding: its buffer may be base2's
-        self.encoder.add(piece, base, base2, keep, compress)
+        self.encoder.add(piece, base, base2, keep, compress, predict=predict)
         self.pos = end
         if self.anchor is not None:
             self.anchor.filled = end

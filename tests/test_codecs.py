@@ -587,6 +587,37 @@ def test_a_delta_against_a_prediction_decodes_with_the_prediction_made_chunk_by_
         decode(blob, chunks, 4, out, predicted.view(np.uint8), dtype="float32", predict=predict)
 
 
+@pytest.mark.parametrize("grouped", [True, False])
+def test_an_encoder_asks_for_the_prediction_chunk_by_chunk_and_stores_what_the_whole_prediction_gives(grouped):
+    """Encoder.add(predict=...), the writer's way: the prediction of each chunk of the
+    piece, asked for in order, gives the same bytes as encoding against the whole of it."""
+    rng = np.random.default_rng(4)
+    n = (2 * CHUNK_BYTES + 4096) // 4
+    predicted = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    x = (predicted + rng.standard_normal(n).astype(np.float32) * 1e-5).astype(np.float32)
+    whole = Encoder("float32", delta=True, grouped=grouped)
+    whole.add(x.view(np.uint8), predicted.view(np.uint8))
+    expected_blob, expected_chunks, _ = whole.finish()
+    asked = []
+
+    def predict(start, stop, into):
+        asked.append((start, stop, into.size))
+        into[:] = predicted.view(np.uint8)[start:stop]
+
+    encoder = Encoder("float32", delta=True, grouped=grouped)
+    keep = np.empty(x.nbytes, np.uint8)
+    encoder.add(x.view(np.uint8), None, keep=keep, predict=predict)
+    blob, chunks, _ = encoder.finish()
+    assert chunks == expected_chunks and np.array_equal(blob, expected_blob)
+    assert np.array_equal(keep, x.view(np.uint8))
+    bounds = [0, CHUNK_BYTES, 2 * CHUNK_BYTES, x.nbytes]
+    assert asked == [(a, b, b - a) for a, b in zip(bounds, bounds[1:])]
+    with pytest.raises(ValueError, match=r"^a delta against a base or a prediction, not both$"):
+        Encoder("float32", delta=True).add(x.view(np.uint8), predicted.view(np.uint8), predict=predict)
+    with pytest.raises(ValueError, match=r"^a prediction given to an encoder without delta$"):
+        Encoder("float32", delta=False).add(x.view(np.uint8), None, predict=predict)
+
+
 def test_a_grouped_chunk_is_refused_where_no_float_delta_is():
     previous, current = _stored(PREVIOUS, "float32"), _stored(CURRENT, "float32")
     encoder = Encoder("float32", delta=True)

@@ -165,16 +165,6 @@ def codec_rows(states: list[dict], keep_bits: int) -> list[tuple]:
     return rows
 
 
-def _prediction(predictor, values, base, x=None) -> np.ndarray:
-    """``predictor``'s prediction, or with None (nothing fitted) the base itself: the writer
-    then falls back to a delta against the base (its own, with the base's base beside it)."""
-    if predictor is None:
-        return base
-    predicted = np.empty(base.size, np.uint8)
-    predictors.predict(predictor, values, base, predicted, x=x)
-    return predicted
-
-
 def _predicted(predictor, x, values, base, grouped=True) -> tuple[int, float, float]:
     """Encode ``x`` as a delta against ``predictor``'s prediction, decode it back (checked):
     (stored bytes, encode seconds, decode seconds)."""
@@ -182,7 +172,12 @@ def _predicted(predictor, x, values, base, grouped=True) -> tuple[int, float, fl
     if "fit_decay" in predictor:  # a first moment: fitted as the writer fits it
         predictor = predictors.fitted(predictor, values[0], values[1], x, base, values[2])
     encoder = codecs.Encoder("float32", delta=True, grouped=grouped)
-    encoder.add(x, _prediction(predictor, values, base, x))
+    if predictor is None:
+        encoder.add(x, base)
+    else:  # as the writer encodes: the prediction (and the update ratio's sums) chunk by chunk
+        def predict_x(begin, end, into):
+            predictors.predict(predictor, [v[begin:end] for v in values], base[begin:end], into, x=x[begin:end])
+        encoder.add(x, None, predict=predict_x)
     blob, chunks, _ = encoder.finish()
     encode = time.perf_counter() - start
     out = np.empty(x.size, np.uint8)
