@@ -70,7 +70,9 @@ class Checkpointer:
             stores tensors raw while the host cache is 90% full and holds a later step's
             snapshot, or training waits for a snapshot (a step larger than the cache):
             the point where the next snapshot, and training, would wait (a tensor begun
-            before stores its remaining chunks uncompressed);
+            before stores its remaining chunks uncompressed); and once training has
+            waited for a snapshot that waited for cache space, whole steps until a
+            snapshot fits the cache without waiting;
             True stores raw from half full and runs the flush at nice 19, so it uses
             only the CPU time training leaves (shorter steps, a larger history); False
             always encodes as ``codec`` says, so the history is as small as it can be

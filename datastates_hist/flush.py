@@ -39,6 +39,8 @@ from .snapshot import Begin, End, Message, NeedSpace, PendingCheckpoint, Piece, 
 # holds a later step's snapshot, or training waits for a snapshot), tensors are stored raw
 # until it catches up, and a tensor already begun stores its remaining chunks uncompressed:
 # an encoder slower than training then costs what writing the bytes costs, not a wait.
+# Once training has waited for a snapshot that waited for cache space, whole steps are
+# stored raw until a snapshot fits the cache without waiting.
 # ``keep_up=None`` (the default) switches only when the cache is nearly full, the moment
 # before the next snapshot, and training with it, would wait; ``keep_up=True`` switches at
 # half and also runs the flush at the lowest priority (nice 19), so encoding and writing
@@ -88,6 +90,11 @@ class Flusher:
         self.training_waits = training_waits or threading.Event()
         self.behind_bytes = None if keep_up is False else BEHIND_FRACTION[keep_up] * cache.capacity
         self.raw_to_keep_up = 0  # tensors stored raw, not encoded, because the flush was behind
+        # the flush holds training back: a step's snapshot waited for cache space and training
+        # for that snapshot (a step larger than the cache, or a backlog that fills it), and
+        # every snapshot since has waited for space too (raw steps may not make training wait:
+        # it stays set until a snapshot fits, not to alternate raw and encoded steps)
+        self._held_training = False
         self.refuse_nonfinite = refuse_nonfinite
         self.committer = committer
         self.anchors = Anchors(key_every)
@@ -132,6 +139,8 @@ class Flusher:
                     self._guard(current, lambda: self._write_out(current))
                 self._release()
             case End():
+                ckpt = current.ckpt
+                self._held_training = ckpt.waited_for_space and (ckpt.training_waited or self._held_training)
                 self._finish(current)
                 current = None
         return current
@@ -187,12 +196,19 @@ class Flusher:
         step.writer(index).define(item.name, storage_dtype(t.dtype), tuple(t.shape), dtype_name(t.dtype), **block)
 
     def _behind(self, ckpt: PendingCheckpoint) -> bool:
-        """Whether the flush has fallen behind training: the cache is more than
-        :data:`BEHIND_FRACTION` full (once full, the snapshot waits for the flush), and it
-        holds a later step's snapshot, or training waits for a snapshot now (a step larger
-        than the cache: its own snapshot waits for space). A step that is most of the cache
-        fills it while the flush keeps up: encoded, unless training waits for it."""
-        if self.behind_bytes is None or self.cache.held_bytes() <= self.behind_bytes:
+        """Whether the flush has fallen behind training: it holds training back (every
+        snapshot has waited for cache space since one that training waited for: training
+        will wait again, and what the flush encodes until then shares the CPU with
+        training's compute), or the cache is more than :data:`BEHIND_FRACTION` full (once
+        full, the snapshot waits for the flush) and it holds a later step's snapshot, or
+        training waits for a snapshot now (a step larger than the cache: its own snapshot
+        waits for space). A step that is most of the cache fills it while the flush keeps
+        up: encoded, unless training waits for it."""
+        if self.behind_bytes is None:
+            return False
+        if self._held_training:
+            return True
+        if self.cache.held_bytes() <= self.behind_bytes:
             return False
         later = ckpt.cache_end is not None and self.cache.allocated != ckpt.cache_end
         return later or self.training_waits.is_set()

@@ -80,6 +80,7 @@ class Pipeline:
             return
         done = ckpt.volatile_done if volatile_only else ckpt.snapshot_done
         if not done.is_set():
+            ckpt.training_waited = True
             self.training_waits.set()
             try:
                 done.wait()

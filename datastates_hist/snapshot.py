@@ -51,6 +51,8 @@ class PendingCheckpoint:
     # pieces handed on in the tensors' own memory (immutable ones): the snapshot is done, and
     # the next write() may read its tensors, only once the flusher is done with them
     handed_on: bool = False
+    waited_for_space: bool = False  # the snapshot waited for the flush to free cache space
+    training_waited: bool = False  # training waited for this snapshot (the pipeline's hooks)
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
@@ -178,6 +180,11 @@ class Snapshotter:
                     ckpt.snapshot_done.set()
                 self.out.put(End(ckpt))
 
+    def _need_space(self, ckpt: PendingCheckpoint) -> None:
+        """The cache is full: tell the flusher, which writes out what it holds."""
+        ckpt.waited_for_space = True
+        self.out.put(NeedSpace())
+
     def _copy(self, ckpt: PendingCheckpoint) -> None:
         device = next((t.tensor.device for t in ckpt.tensors if t.tensor.is_cuda), None)
         cuda = device is not None
@@ -227,7 +234,7 @@ class Snapshotter:
         for n in sizes[:-1]:
             offsets.append(offsets[-1] + aligned(n))
         region = self.cache.alloc(
-            offsets[-1] + sizes[-1], on_wait=lambda: self.out.put(NeedSpace()),
+            offsets[-1] + sizes[-1], on_wait=lambda: self._need_space(ckpt),
             cancelled=lambda: ckpt.error is not None,
         )
         buf = self.cache.view(region) if cuda else None  # the destination of device copies
@@ -279,7 +286,7 @@ class Snapshotter:
         for k, (start, count) in enumerate(boxes):
             nbytes = int(np.prod(count)) * itemsize if count else itemsize
             region = self.cache.alloc(
-                nbytes, on_wait=lambda: self.out.put(NeedSpace()),
+                nbytes, on_wait=lambda: self._need_space(ckpt),
                 cancelled=lambda: ckpt.error is not None,
             )
             box = _box(src, start, count) if count else src

@@ -31,19 +31,33 @@ def encodings(run):
     return by_step
 
 
-@pytest.fixture
-def stalled(backend):
-    """(name of a backend whose step-0 writer waits for ``go``, go)."""
-    inner, go = get_backend(backend), threading.Event()
+def _stalling(backend: str, gates: dict[int, threading.Event]):
+    """Register a backend whose writer of step ``s`` waits for ``gates[s]``: its name."""
+    inner = get_backend(backend)
 
     class Stalled(type(inner)):
         def begin_step(self, steps_dir, step, group=None, part=""):
-            if step == 0:
-                assert go.wait(60), "the test never let the flush go"
+            if step in gates:
+                assert gates[step].wait(60), "the test never let the flush go"
             return inner.begin_step(steps_dir, step, group, part)
 
     register_backend(f"stalled-{backend}", Stalled())
-    yield f"stalled-{backend}", go
+    return f"stalled-{backend}"
+
+
+@pytest.fixture
+def stalled(backend):
+    """(name of a backend whose step-0 writer waits for ``go``, go)."""
+    go = threading.Event()
+    yield _stalling(backend, {0: go}), go
+    unregister_backend(f"stalled-{backend}")
+
+
+@pytest.fixture
+def stalled_twice(backend):
+    """(name of a backend whose writers of steps 0 and 1 wait for their gate, the gates)."""
+    gates = {0: threading.Event(), 1: threading.Event()}
+    yield _stalling(backend, gates), gates
     unregister_backend(f"stalled-{backend}")
 
 
@@ -157,16 +171,21 @@ def test_with_keep_up_the_flush_thread_runs_at_nice_19(tmp_path, keep_up, nice):
 
 @pytest.mark.parametrize("keep_up", [None, True, False])
 def test_a_step_larger_than_the_cache_is_stored_raw_once_training_waits_for_its_snapshot(
-        tmp_path, backend, stalled, keep_up):
+        tmp_path, backend, stalled_twice, keep_up):
     """Step 0 (6 MiB: a weight and Adam's moments) in a cache of 2 MiB: its snapshot waits
     for the flush, which stalls until the training thread waits for that snapshot at the
     optimizer step. The cache is full then, and holds no later step: by default (and with
     ``keep_up=True``) the flush stores raw what it starts while training waits; with
-    ``keep_up=False`` it encodes. A step written after the flush caught up is encoded."""
-    name, go = stalled
+    ``keep_up=False`` it encodes. The flush held training back (the snapshot waited for
+    space, training for the snapshot), so the next steps are stored raw whole, from their
+    first tensor, while their snapshots wait for space too (step 1) and until one fits the
+    cache (step 2, the model alone); step 3, after it, is encoded. (The flush of step 1
+    stalls until its snapshot has waited for space: else the raw flush may keep up.)"""
+    name, gates = stalled_twice
+    go = gates[0]
     run_dir = str(tmp_path / "run")
     torch.manual_seed(0)
-    model = torch.nn.Linear(1024, 512)
+    model = torch.nn.Linear(1024, 509)  # the weight, bias and torch RNG state fill all but 5 KiB of the cache
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(8, 1024)).square().mean().backward()
     opt.step()
@@ -191,9 +210,18 @@ def test_a_step_larger_than_the_cache_is_stored_raw_once_training_waits_for_its_
     assert go.is_set() and not waits.is_set()
     opt.zero_grad()
     ckpt.wait()
-    ckpt.write(1, model, opt)
-    written[1] = {"model/weight": model.weight.detach().clone(),
-                  "optim/state/weight/exp_avg": opt.state[model.weight]["exp_avg"].clone()}
+    for step, optimizer in ((1, opt), (2, None), (3, opt)):
+        waited = cache.waits
+        ckpt.write(step, model, optimizer)
+        if step == 1:
+            deadline = time.monotonic() + 60
+            while cache.waits == waited and time.monotonic() < deadline:
+                time.sleep(0.001)
+            gates[1].set()
+        written[step] = {"model/weight": model.weight.detach().clone()}
+        if optimizer is not None:
+            written[step]["optim/state/weight/exp_avg"] = opt.state[model.weight]["exp_avg"].clone()
+        ckpt.wait()
     ckpt.close()
     stored = encodings(run_dir)
     raw = sum(list(s.values()).count("raw") for s in stored.values())
@@ -202,7 +230,9 @@ def test_a_step_larger_than_the_cache_is_stored_raw_once_training_waits_for_its_
         assert raw == 0, stored
     else:  # the first tensor flushed: the cache full, training waiting
         assert stored[0]["model/weight"] == "raw", stored
-    assert "raw" not in stored[1].values(), stored
+        assert set(stored[1].values()) == {"raw"} and stored[1].keys() == stored[0].keys(), stored
+        assert stored[2] == {"model/bias": "raw", "model/weight": "raw", "rng/torch": "raw"}, stored
+    assert "raw" not in stored[3].values(), stored
     with dh.open(run_dir) as h:
         for step, values in written.items():
             for tensor, value in values.items():
