@@ -93,13 +93,7 @@ class Encoding:
         if p is not None:  # the prediction replaces the base (base2 is None)
             if self.pos == 0:  # the update ratio is against the base: computed with the prediction
                 self.encoder.skip_ratio()
-            values, pos, own = p.values, self.pos, base
-
-            def predict(start: int, stop: int, into: np.ndarray) -> None:  # chunk by chunk, in cache
-                diff_sq, base_sq = predictors.predict(p.predictor, [v[pos + start:pos + stop] for v in values],
-                                                      own[start:stop], into, x=piece[start:stop])
-                p.norms.diff_sq += diff_sq
-                p.norms.base_sq += base_sq
+            predict = predictors.in_chunks(p.predictor, [v[self.pos:end] for v in p.values], base, piece, p.norms)
             base = None
         # the anchor's copy comes after encoding: its buffer may be base2's
         self.encoder.add(piece, base, base2, keep, compress, predict=predict)

@@ -32,6 +32,7 @@ lossless: only reproducible. Formats: docs/format.md, section 6, *Predicted delt
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -210,6 +211,21 @@ def predict(predictor: dict, values: list[np.ndarray], base: np.ndarray, out: np
                                        p["step_size"], p["decay"], x)
         return _first_moment_numpy(w, w1, v1, base, out, predictor, x)
     raise ValueError(f"unknown predictor {predictor['kind']!r}")
+
+
+def in_chunks(predictor: dict, values: list[np.ndarray], base: np.ndarray, x: np.ndarray | None = None,
+              norms=None) -> Callable[[int, int, np.ndarray], None]:
+    """The prediction as :func:`codecs.decode` and :meth:`codecs.Encoder.add` ask for it:
+    ``predict(start, stop, into)`` writes bytes ``[start, stop)`` of it into ``into``
+    (``values``, ``base`` and ``x``: the same byte range as those offsets). With ``x``,
+    each chunk's update-ratio sums are added to ``norms.diff_sq`` and ``norms.base_sq``."""
+    def chunk(start: int, stop: int, into: np.ndarray) -> None:
+        diff_sq, base_sq = predict(predictor, [v[start:stop] for v in values], base[start:stop], into,
+                                   None if x is None else x[start:stop])
+        if norms is not None:
+            norms.diff_sq += diff_sq
+            norms.base_sq += base_sq
+    return chunk
 
 
 def _fit_sums(w, w1, m, m1, v1, n: int, stride: int, b1: float, b2: float, bias2: float,

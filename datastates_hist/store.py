@@ -546,11 +546,7 @@ class StepData:
         try:
             itemsize = storage_dtype(torch_dtype(rec.dtype)).itemsize
             if rec.predictor is not None:  # bases: its own at the base step, then those the prediction reads
-                own, values = bases[0], bases[1:]
-
-                def predict(start: int, stop: int, into: np.ndarray) -> None:
-                    predictors.predict(rec.predictor, [v[start:stop] for v in values], own[start:stop], into)
-
+                predict = predictors.in_chunks(rec.predictor, bases[1:], bases[0])
                 decode(blob, rec.chunks, itemsize, out, drop=rec.dropped_bits, dtype=rec.dtype, predict=predict)
             else:
                 decode(blob, rec.chunks, itemsize, out, *bases, drop=rec.dropped_bits, dtype=rec.dtype)

@@ -175,9 +175,7 @@ def _predicted(predictor, x, values, base, grouped=True) -> tuple[int, float, fl
     if predictor is None:
         encoder.add(x, base)
     else:  # as the writer encodes: the prediction (and the update ratio's sums) chunk by chunk
-        def predict_x(begin, end, into):
-            predictors.predict(predictor, [v[begin:end] for v in values], base[begin:end], into, x=x[begin:end])
-        encoder.add(x, None, predict=predict_x)
+        encoder.add(x, None, predict=predictors.in_chunks(predictor, values, base, x))
     blob, chunks, _ = encoder.finish()
     encode = time.perf_counter() - start
     out = np.empty(x.size, np.uint8)
@@ -185,9 +183,7 @@ def _predicted(predictor, x, values, base, grouped=True) -> tuple[int, float, fl
     if predictor is None:
         codecs.decode(blob, chunks, 4, out, base, dtype="float32")
     else:  # as the reader decodes: the prediction computed chunk by chunk
-        def predict(begin, end, into):
-            predictors.predict(predictor, [v[begin:end] for v in values], base[begin:end], into)
-        codecs.decode(blob, chunks, 4, out, dtype="float32", predict=predict)
+        codecs.decode(blob, chunks, 4, out, dtype="float32", predict=predictors.in_chunks(predictor, values, base))
     decode = time.perf_counter() - start
     assert np.array_equal(out, x), "round trip differs"
     return blob.size, encode, decode
