@@ -30,7 +30,7 @@ from datastates_hist.errors import StepNotFoundError
 from datastates_hist.store import Store
 
 WRITER = r"""
-import sys, time, torch
+import os, sys, time, torch
 import datastates_hist as dh
 run, backend, mode, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 torch.manual_seed(0)
@@ -39,13 +39,17 @@ opt = torch.optim.Adam(model.parameters())
 policies = (dict(codec="key") if mode == "prune" else
             dict(keep=dh.KeepLast(2), trajectory=dh.Trajectory("model/*")))
 with dh.Checkpointer(run, backend=backend, host_cache_bytes=64 << 10, piece_bytes=8 << 10, **policies) as ckpt:
-    for step in range(steps):
+    step = 0
+    # at least `steps`, and on until every reader has made three passes while steps are written
+    # (a fast writer on a loaded machine could otherwise finish within a slow reader's second)
+    while step < steps or any(not os.path.exists(f"{run}.{kind}.passes") for kind in ("store", "cli", "history")):
         model(torch.randn(4, 64)).sum().backward()
         opt.step(); opt.zero_grad()
         ckpt.write(step, model, opt, data={"step": step})
         if mode == "prune" and step % 4 == 3:
             ckpt.prune(keep_last=3, keep_every=8)
         time.sleep(0.03)
+        step += 1
 open(run + ".done", "w").close()
 """
 
@@ -179,6 +183,8 @@ while not os.path.exists(run + ".done"):
         else:
             via_history()
         report["iterations"] += 1
+        if report["iterations"] == 3:
+            open(f"{run}.{kind}.passes", "w").close()
     except StoreNotFoundError:
         time.sleep(0.01)  # the writer has not created the run yet
     except Exception as exc:
