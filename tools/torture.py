@@ -59,6 +59,7 @@ import struct
 import sys
 import tempfile
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -71,6 +72,7 @@ PHASES = WRITE_PHASES + OP_PHASES
 SLOT = {name: i for i, name in enumerate(PHASES)}
 WRITES_AT = 32  # int32: writes issued by the current child
 HOLD_AT = 36  # byte: a phase (its slot + 1) whose thread, once inside, stays there until the kill
+HOLDING_AT = 37  # byte: the phase (its slot + 1) a thread is held in now
 TARGETS = WRITE_PHASES + ("anywhere",)
 # the phases each operation's kills aim at, in turn; the operation itself: a random moment in it
 OP_TARGETS = {"repair": ("repair build", "repair swap", "repair"),
@@ -99,6 +101,7 @@ def _instrument(shared: mmap.mmap) -> None:
             shared[SLOT[phase]] = 1
             try:
                 while shared[HOLD_AT] == SLOT[phase] + 1:  # the parent kills the child here
+                    shared[HOLDING_AT] = SLOT[phase] + 1
                     time.sleep(0.001)
                 return original(*args, **kwargs)
             finally:
@@ -179,8 +182,19 @@ def run_state(run_dir: str, index, policies: bool) -> dict:
                       for r in rows} if policies else {}}
 
 
-def child_main(run_dir: str, backend: str, shared_path: str, journal: str, reports: str,
-               seed: int, max_writes: int | None, branch: bool = True, policies: bool = False) -> None:
+def child_main(run_dir: str, backend: str, shared_path: str, journal: str, reports: str, *args) -> None:
+    """:func:`write_child`; an exception it raises is reported with its traceback (a child
+    that exits with 1 tells the parent why)."""
+    try:
+        write_child(run_dir, backend, shared_path, journal, reports, *args)
+    except BaseException:
+        with open(reports, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "error": traceback.format_exc()}) + "\n")
+        raise
+
+
+def write_child(run_dir: str, backend: str, shared_path: str, journal: str, reports: str,
+                seed: int, max_writes: int | None, branch: bool = True, policies: bool = False) -> None:
     """Open the run, restore the newest step, verify everything, then train and checkpoint
     (pruning now and then, and, if ``branch``, truncating the newest steps now and then;
     with ``policies``, retention keeps the history instead, see :func:`history_policies`)."""
@@ -350,6 +364,9 @@ class Torture:
         with open(self.reports) as f:
             lines = [json.loads(line) for line in f if line.strip()]
         for report in lines[self.seen_reports:]:
+            if "error" in report:
+                self.failures.append(f"pid {report['pid']} raised:\n{report['error']}")
+                continue
             steps = report["steps"]
             if report["problems"]:
                 self.failures.append(f"pid {report['pid']}: verify found {report['problems'][:3]}")
@@ -398,13 +415,17 @@ class Torture:
             else:
                 if held:  # after the warm-up writes: the next entry into the phase waits there
                     self.shared[HOLD_AT] = SLOT[target] + 1
-                self._wait(lambda: self.shared[SLOT[target]], child, timeout=10)
+                    # a thread already inside when the hold was set may leave before the kill:
+                    # wait for one held at the entry
+                    self._wait(lambda: self.shared[HOLDING_AT] == SLOT[target] + 1, child, timeout=10)
+                else:
+                    self._wait(lambda: self.shared[SLOT[target]], child, timeout=10)
         if not held and self.rng.random() < 0.5:  # sometimes a little later inside the phase
             time.sleep(self.rng.uniform(0, 0.002))
         inside = [p for p in PHASES if self.shared[SLOT[p]]]
         child.kill()
         child.join()
-        self.shared[HOLD_AT] = 0
+        self.shared[HOLD_AT] = self.shared[HOLDING_AT] = 0
         if child.exitcode != -9:
             self.failures.append(f"child {child.pid} exited with {child.exitcode} before the kill")
         self.kills[target] += 1
