@@ -18,12 +18,12 @@ import time
 from typing import Any
 
 from .backends import get_backend, make_backend
-from .collect import Collector, integral, step_number
+from .collect import Collector, step_number
 from .commit import Committer, remove_uncommitted
 from .errors import CheckpointError, CorruptionError, StepNotFoundError, StepOrderError
 from .group import as_group
 from .index import Index
-from .layout import MAX_STEP, WRITER_LOCK, finished_units, index_path, steps_dir, take_writer_lock
+from .layout import MAX_STEP, WRITER_LOCK, finished_units, index_path, integral, steps_dir, take_writer_lock
 from .pipeline import Pipeline, checkpoint_failed
 from .restore import Restored, restore_step
 from .retention import Retention, check_codec, check_policy, check_trajectory, key_every_count

@@ -8,7 +8,6 @@ soon as ``write()`` returns.
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -17,7 +16,7 @@ from . import values as values_codec
 from .dtypes import STORABLE, storage_dtype
 from .group import Group
 from .items import TensorItem, ValueItem, under
-from .layout import MAX_STEP
+from .layout import MAX_STEP, integral
 from .providers import provider_for
 from .sharding import dtensor_item, is_dtensor, split_replicated
 from .snapshot import PendingCheckpoint
@@ -105,13 +104,6 @@ class Collector:
         shards = [t for t in rest if t.global_shape is not None]
         replicated = [t for t in rest if t.global_shape is None]
         return own + shards + split_replicated(replicated, self.group.rank, self.group.size)
-
-
-def integral(number: Any) -> int:
-    """An int from any integral number (``int``, ``numpy.int64``, ...) but a bool."""
-    if isinstance(number, bool):
-        raise TypeError(f"{number!r} is a bool, not a number")
-    return operator.index(number)
 
 
 def step_number(step: Any) -> int:

@@ -20,6 +20,7 @@ from .dtypes import storage_torch_dtype
 from .errors import StepNotFoundError
 from .index import STAT_KEYS, TENSOR_STATS
 from .items import MODEL_PREFIX, matches
+from .layout import asked_step
 from .scalars import close_hint, matches_scalar, resolve_scalar, scalars_of
 from .store import StepData, Store
 
@@ -254,6 +255,7 @@ class History:
 
     def step_data(self, step: int) -> StepData:
         """The open data of ``step`` (a few are kept open)."""
+        step = asked_step(step)
         data = self._open.get(step)
         if data is not None and self.store.index.step_row(step) == data.row:
             self._open.move_to_end(step)

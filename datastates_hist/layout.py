@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import operator
 import os
 import socket
 import stat
+from typing import Any
 
 from .errors import CorruptionError, StoreLockedError
 
@@ -35,6 +37,22 @@ RESTORE_PART = ".restore"  # a restore point's second unit: what its trajectory 
 # The largest step: the index stores steps as SQLite INTEGER (signed 64-bit);
 # the name of a step's unit (step_stem) holds any of them.
 MAX_STEP = 2**63 - 1
+
+
+def integral(number: Any) -> int:
+    """An int from any integral number (``int``, ``numpy.int64``, ...) but a bool."""
+    if isinstance(number, bool):
+        raise TypeError(f"{number!r} is a bool, not a number")
+    return operator.index(number)
+
+
+def asked_step(step: Any) -> int:
+    """A step asked for to read: an int from any integral number (``numpy.int64`` from an
+    array of steps), else a TypeError that names what was given."""
+    try:
+        return integral(step)
+    except TypeError:
+        raise TypeError(f"a step is a whole number (int), got {step!r}") from None
 
 
 def steps_dir(run_dir: str) -> str:

@@ -30,7 +30,7 @@ from .errors import CorruptionError, StepNotFoundError
 from .codecs import add_low_bits, decode
 from .index import StepRow, open_existing, unit_path
 from .items import LOSSY_KEYS, TensorRecord
-from .layout import restore_unit, steps_dir, unit_bytes
+from .layout import asked_step, restore_unit, steps_dir, unit_bytes
 
 
 HUGE_PAGE = 2 << 20
@@ -635,6 +635,7 @@ class Store:
         return self.index.steps()
 
     def row(self, step: int) -> StepRow:
+        step = asked_step(step)
         row = self.index.step_row(step)
         if row is None:
             steps = self.index.steps()
@@ -675,6 +676,7 @@ class Store:
                 f"{row.ntensors} tensor(s) to read, not the whole state. {self.nearest_restore_points(row.step)}")
 
     def records(self, step: int) -> list[TensorRecord]:
+        step = asked_step(step)
         records = self.index.records(step)
         if not records:  # the step is not committed, or was pruned: its rows go in one transaction
             self.row(step)
@@ -686,6 +688,7 @@ class Store:
         them itself, to report every difference). ``main_only``: a restore point's
         main unit alone (without ``against_index``)."""
         row = self.row(step)
+        step = row.step
         try:
             return self._open(row, against_index, main_only)
         except Exception as exc:

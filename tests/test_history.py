@@ -232,6 +232,24 @@ def test_unknown_names_and_steps_are_clear_errors(run):
             call()
 
 
+def test_steps_asked_for_by_number(run):
+    """A numpy integer (from an array of steps) reads the step it names; a float, a string,
+    a bool or None is refused by name, never looked up as a step that is not committed."""
+    step = np.int64(STEPS[-1])
+    assert torch.equal(run.read("0.weight", step), run.read("0.weight", STEPS[-1]))
+    assert run.tensors(step).equals(run.tensors(STEPS[-1]))
+    assert run.names(step) == run.names(STEPS[-1])
+    assert run.diff(np.int64(STEPS[0]), step).equals(run.diff(STEPS[0], STEPS[-1]))
+    for bad in (float(STEPS[-1]), str(STEPS[-1]), True, None):
+        calls = [lambda: run.read("0.weight", bad), lambda: run.tensors(bad), lambda: run.diff(STEPS[0], bad)]
+        if bad is not None:  # names(None): the names of any step
+            calls.append(lambda: run.names(bad))
+        for call in calls:
+            with pytest.raises(TypeError) as err:
+                call()
+            assert str(err.value) == f"a step is a whole number (int), got {bad!r}"
+
+
 def test_open_history_sees_steps_committed_later(run_dir, backend):
     build_run(run_dir, backend, steps=[0, 1])
     with dh.open(run_dir) as h:
