@@ -72,6 +72,8 @@ class History:
 
     def resolve(self, name: str, step: int | None = None) -> str:
         """The stored name for ``name``; ``model/`` may be left out."""
+        if not isinstance(name, str):
+            raise TypeError(f"a tensor name is a str, got {name!r}")
         names = set(self.names(step))
         if name in names:
             return name
@@ -168,6 +170,8 @@ class History:
 
     def scalar(self, name: str):
         """One scalar over the steps that hold it, as a pandas Series indexed by step."""
+        if not isinstance(name, str):
+            raise TypeError(f"a scalar name is a str, got {name!r}")
         rows = self._scalar_rows()
         full = self._resolve_scalar(name, rows)
         import pandas as pd
@@ -190,7 +194,7 @@ class History:
         known = TENSOR_STATS
         if stat not in known:
             raise ValueError(f"unknown statistic {stat!r}; one of {', '.join(known)}")
-        wanted = [names] if isinstance(names, str) else list(names)
+        wanted = name_list(names)
         tensors = self.names()
         rows: list | None = None  # the scalars, read once and only if needed
         columns: dict[str, pd.Series] = {}
@@ -234,7 +238,7 @@ class History:
             chosen = known
         else:
             chosen = []
-            for name in [names] if isinstance(names, str) else names:
+            for name in name_list(names):
                 if any(c in name for c in "*?[") and resolve_scalar(name, known) is None:
                     picked = [n for n in known if matches_scalar(n, [name])]
                     if not picked:
@@ -364,6 +368,21 @@ def selection(index: Any, shape: tuple[int, ...]) -> tuple[tuple, tuple, tuple]:
     return tuple(start), tuple(count), tuple(post)
 
 
+def name_list(names: Any, what: str = "names") -> list[str]:
+    """``names`` (a name or glob, or an iterable of them) as a list of str, else a
+    TypeError that says what was given."""
+    listed = [names] if isinstance(names, str) else None
+    if listed is None:
+        try:
+            listed = list(names)
+        except TypeError:
+            raise TypeError(f"{what}: a name, a glob or a list of them, got {names!r}") from None
+    for name in listed:
+        if not isinstance(name, str):
+            raise TypeError(f"{what}: a name is a str, got {name!r}")
+    return listed
+
+
 def compared(name: str, patterns: list[str] | None) -> bool:
     """Whether a diff compares tensor ``name`` (given ``--names`` ``patterns``, or None)."""
     if patterns is None:  # RNG states change every step and say nothing about the model
@@ -378,7 +397,7 @@ def diff_steps(ha: History, a: int, hb: History, b: int, names=None):
     whose shape changed is not compared (``note`` says so, ``shape_b`` is its shape at b)."""
     import pandas as pd
 
-    patterns = [names] if isinstance(names, str) else names
+    patterns = None if names is None else name_list(names)
     ra = {r.name: r for r in ha.store.records(a)}
     rb = {r.name: r for r in hb.store.records(b)}
     rows = []

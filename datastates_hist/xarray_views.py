@@ -37,6 +37,7 @@ from xarray.core import indexing
 from .dtypes import torch_dtype
 from .errors import CorruptionError, ShapeChangeError, StepNotFoundError
 from .items import TensorRecord, matches
+from .layout import asked_step
 from .scalars import matches_scalar
 
 # Dtypes numpy lacks (bfloat16, float8) or that most numpy code handles poorly (float16).
@@ -166,15 +167,16 @@ def select_steps(history, steps: Any) -> list[int]:
     if steps is None:
         return committed
     if isinstance(steps, slice):
-        start = 0 if steps.start is None else steps.start
-        stride = 1 if steps.step is None else steps.step
+        start, stop, stride = (None if v is None else asked_step(v) for v in (steps.start, steps.stop, steps.step))
+        start, stride = start or 0, 1 if stride is None else stride
         if stride <= 0:
             raise ValueError(f"a slice of steps must go forward, got step={stride}")
-        return [s for s in committed if s >= start and (steps.stop is None or s < steps.stop)
-                and (s - start) % stride == 0]
+        return [s for s in committed if s >= start and (stop is None or s < stop) and (s - start) % stride == 0]
     if isinstance(steps, (int, np.integer)):
         steps = [steps]
-    chosen = [int(s) for s in steps]
+    if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
+        raise TypeError(f"steps: None, a slice, a step or a list of steps, got {steps!r}")
+    chosen = [asked_step(s) for s in steps]
     have = set(committed)
     missing = [s for s in chosen if s not in have]
     if missing:

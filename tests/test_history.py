@@ -250,6 +250,21 @@ def test_steps_asked_for_by_number(run):
             assert str(err.value) == f"a step is a whole number (int), got {bad!r}"
 
 
+def test_names_that_are_no_str_are_refused_by_name(run):
+    for call, message in [(lambda: run.read(3, 0), "a tensor name is a str, got 3"),
+                          (lambda: run.stats(None), "a tensor name is a str, got None"),
+                          (lambda: run.histogram(b"0.weight"), "a tensor name is a str, got b'0.weight'"),
+                          (lambda: run.scalar(1), "a scalar name is a str, got 1"),
+                          (lambda: run.diff(0, 1, names=5), "names: a name, a glob or a list of them, got 5"),
+                          (lambda: run.diff(0, 1, names=["0.weight", 5]), "names: a name is a str, got 5"),
+                          (lambda: run.trace(5), "names: a name, a glob or a list of them, got 5"),
+                          (lambda: run.scalars([None]), "names: a name is a str, got None")]:
+        with pytest.raises(TypeError) as err:
+            call()
+        assert str(err.value) == message
+    assert list(run.trace(("0.weight",)).columns) == ["model/0.weight"]  # any iterable of names
+
+
 def test_open_history_sees_steps_committed_later(run_dir, backend):
     build_run(run_dir, backend, steps=[0, 1])
     with dh.open(run_dir) as h:

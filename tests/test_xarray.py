@@ -124,6 +124,19 @@ def test_steps_are_chosen_by_value(h, path):
         h.to_xarray("nope")
     with pytest.raises(ValueError, match="must go forward"):
         h.to_xarray(W, steps=slice(None, None, -1))
+    # numpy integers are steps; a float is refused, not rounded to a step it does not name
+    assert list(h.to_xarray(W, steps=np.arange(3, 6)).step.values) == [3, 4, 5]
+    assert list(h.to_xarray(W, steps=slice(np.int64(5), None, np.int64(5))).step.values) == [5, 10]
+    for steps, message in [([1.5], "a step is a whole number (int), got 1.5"),
+                           (slice(0, 4, 0.5), "a step is a whole number (int), got 0.5"),
+                           ("3", "steps: None, a slice, a step or a list of steps, got '3'"),
+                           (3.0, "steps: None, a slice, a step or a list of steps, got 3.0")]:
+        with pytest.raises(TypeError) as err:
+            h.to_xarray(W, steps=steps)
+        assert str(err.value) == message
+    with pytest.raises(TypeError) as err:
+        h.to_xarray(3)
+    assert str(err.value) == "a tensor name is a str, got 3"
 
 
 def test_only_the_selection_is_read(h, reads):
