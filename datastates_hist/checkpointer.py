@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from .backends import get_backend, make_backend
+from .cache import ALIGN
 from .collect import Collector, step_number
 from .commit import Committer, remove_uncommitted
 from .errors import CheckpointError, CorruptionError, StepNotFoundError, StepOrderError
@@ -31,6 +32,13 @@ from .retention import Retention, check_codec, check_policy, check_trajectory, k
 DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_PIECE_BYTES = 64 << 20
 DEFAULT_KEY_EVERY = 16
+
+
+def _byte_count(value: Any, what: str) -> int:
+    try:
+        return integral(value)
+    except TypeError:
+        raise TypeError(f"{what} must be a whole number of bytes, got {value!r}") from None
 
 
 class Checkpointer:
@@ -86,6 +94,13 @@ class Checkpointer:
                  keep: Any = None, trajectory: Any = None, codec: str = "delta",
                  key_every: int = DEFAULT_KEY_EVERY, keep_up: bool | None = None):
         self.path = os.fspath(path)
+        host_cache_bytes = _byte_count(host_cache_bytes, "host_cache_bytes")
+        if host_cache_bytes < ALIGN:  # before the run is opened: nothing to undo
+            raise ValueError(f"host cache of {host_cache_bytes} bytes is too small: host_cache_bytes must be at "
+                             f"least {ALIGN}")
+        piece_bytes = _byte_count(piece_bytes, "piece_bytes")
+        if piece_bytes < 1:
+            raise ValueError(f"piece_bytes must be at least 1, got {piece_bytes}")
         self.retention = Retention(check_policy(keep), check_trajectory(trajectory))
         self.codec = check_codec(codec)
         if keep_up is not None and not isinstance(keep_up, bool):

@@ -26,13 +26,18 @@ from typing import Iterable
 
 from .index import Index, StepRow, unit_path
 from .items import DELTA, KEY, RAW
-from .layout import restore_unit, steps_dir, unit_bytes
+from .layout import integral, restore_unit, steps_dir, unit_bytes
 
 
 def _count(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``value`` as an int >= 1 (a numpy integer too), else a ValueError naming ``what``."""
+    try:
+        count = integral(value)
+    except TypeError:
+        count = 0
+    if count < 1:
         raise ValueError(f"{what} needs a whole number >= 1, got {value!r}")
-    return value
+    return count
 
 
 class Policy:
@@ -64,7 +69,7 @@ class KeepLast(Policy):
     n: int
 
     def __post_init__(self):
-        _count(self.n, "KeepLast")
+        object.__setattr__(self, "n", _count(self.n, "KeepLast"))
 
     def keep(self, steps: list[int]) -> set[int]:
         return set(steps[-self.n:])
@@ -80,7 +85,7 @@ class KeepEvery(Policy):
     k: int
 
     def __post_init__(self):
-        _count(self.k, "KeepEvery")
+        object.__setattr__(self, "k", _count(self.k, "KeepEvery"))
 
     def keep(self, steps: list[int]) -> set[int]:
         return {s for s in steps if s % self.k == 0}

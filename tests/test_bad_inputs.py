@@ -283,6 +283,16 @@ def tiny_host_cache(tmp):
         ckpt.write(0, linear())
 
 
+def opening_with(**options):
+    """Open a run with ``options``; refused before anything is created."""
+    def case(tmp):
+        try:
+            dh.Checkpointer(tmp / "run", **options).close()
+        finally:
+            assert not (tmp / "run").exists()
+    return case
+
+
 class Sharded:
     """An object whose provider yields one shard of a larger tensor."""
 
@@ -382,7 +392,13 @@ CASES = [
      r"photos is not a datastates-hist run \(no index\.sqlite\)"),
     ("truncate after a name", truncate_after_a_name, TypeError,
      r"truncate\(after=\.\.\.\) needs a step number \(int\), got 'latest'"),
-    ("host cache too small", tiny_host_cache, ValueError, r"host cache of 16 bytes is too small"),
+    ("host cache too small", tiny_host_cache, ValueError,
+     r"^host cache of 16 bytes is too small: host_cache_bytes must be at least 64$"),
+    ("host cache in a string", opening_with(host_cache_bytes="1GB"), TypeError,
+     r"^host_cache_bytes must be a whole number of bytes, got '1GB'$"),
+    ("piece bytes as a float", opening_with(piece_bytes=2.5e6), TypeError,
+     r"^piece_bytes must be a whole number of bytes, got 2500000\.0$"),
+    ("no piece bytes", opening_with(piece_bytes=0), ValueError, r"^piece_bytes must be at least 1, got 0$"),
     ("shard outside its global shape", shard_outside_its_global_shape, ValueError,
      r"shard 'extra/shard/w' of shape \[4, 4\] at offset \[6, 0\] does not fit its global shape \[8, 4\]"),
     ("provider that is not a StateProvider", provider_that_is_not_one, TypeError, r"is not a StateProvider"),
@@ -459,3 +475,22 @@ def test_cli_errors_for_bad_runs(tmp_path, capsys):
     with dh.Checkpointer(run):
         assert main(["repair", run, "--force"]) == 5
         assert "is being written by a Checkpointer of this process that was not closed" in capsys.readouterr().err
+
+
+def test_policy_counts_are_whole_numbers_numpy_ones_too(run_dir):
+    assert dh.KeepLast(np.int64(2)) == dh.KeepLast(2) and type(dh.KeepLast(np.int64(2)).n) is int
+    assert dh.KeepEvery(np.int32(5)) == dh.KeepEvery(5)
+    assert dh.Trajectory("model/*", every=np.int64(3)).every == 3
+    for make, value, message in [(dh.KeepLast, 0, "KeepLast needs a whole number >= 1, got 0"),
+                                 (dh.KeepLast, 2.0, "KeepLast needs a whole number >= 1, got 2.0"),
+                                 (dh.KeepLast, True, "KeepLast needs a whole number >= 1, got True"),
+                                 (dh.KeepEvery, "25", "KeepEvery needs a whole number >= 1, got '25'"),
+                                 (dh.KeepEvery, np.int64(-1), f"KeepEvery needs a whole number >= 1, got {np.int64(-1)!r}")]:
+        with pytest.raises(ValueError) as err:
+            make(value)
+        assert str(err.value) == message
+    with dh.Checkpointer(run_dir, codec="raw") as ckpt:
+        for step in range(5):
+            ckpt.write(step, linear())
+        assert ckpt.prune(keep_last=np.int64(2)) == [0, 1, 2]
+        assert ckpt.steps() == [3, 4]
