@@ -24,7 +24,8 @@ from .commit import Committer, remove_uncommitted
 from .errors import CheckpointError, CorruptionError, StepNotFoundError, StepOrderError
 from .group import as_group
 from .index import Index
-from .layout import MAX_STEP, WRITER_LOCK, finished_units, index_path, integral, steps_dir, take_writer_lock
+from .layout import (MAX_STEP, WRITER_LOCK, finished_units, index_path, integral, run_path, steps_dir,
+                     take_writer_lock)
 from .pipeline import Pipeline, checkpoint_failed
 from .restore import Restored, restore_step
 from .retention import Retention, check_codec, check_policy, check_trajectory, key_every_count
@@ -93,7 +94,7 @@ class Checkpointer:
                  refuse_nonfinite: bool = False, comm: Any = None, backend_options: dict | None = None,
                  keep: Any = None, trajectory: Any = None, codec: str = "delta",
                  key_every: int = DEFAULT_KEY_EVERY, keep_up: bool | None = None):
-        self.path = os.fspath(path)
+        self.path = run_path(path)
         host_cache_bytes = _byte_count(host_cache_bytes, "host_cache_bytes")
         if host_cache_bytes < ALIGN:  # before the run is opened: nothing to undo
             raise ValueError(f"host cache of {host_cache_bytes} bytes is too small: host_cache_bytes must be at "

@@ -20,7 +20,7 @@ from .dtypes import storage_torch_dtype
 from .errors import StepNotFoundError
 from .index import STAT_KEYS, TENSOR_STATS
 from .items import MODEL_PREFIX, matches
-from .layout import asked_step
+from .layout import asked_step, integral, run_path
 from .scalars import close_hint, matches_scalar, resolve_scalar, scalars_of
 from .store import StepData, Store
 
@@ -29,10 +29,15 @@ class History:
     """A run opened for reading. Use :func:`open`."""
 
     def __init__(self, path: str, max_open_steps: int = 8):
-        self.path = str(path)
+        self.path = run_path(path)
+        try:
+            self._max_open = integral(max_open_steps)
+        except TypeError:
+            self._max_open = 0
+        if self._max_open < 1:  # the step just opened is the one read: it must stay open
+            raise ValueError(f"max_open_steps must be a whole number >= 1, got {max_open_steps!r}")
         self.store = Store(self.path)
         self._open: OrderedDict[int, StepData] = OrderedDict()
-        self._max_open = max_open_steps
 
     # --- the index: no tensor data is read ------------------------------------------------
 

@@ -39,6 +39,14 @@ RESTORE_PART = ".restore"  # a restore point's second unit: what its trajectory 
 MAX_STEP = 2**63 - 1
 
 
+def run_path(path: Any) -> str:
+    """A run's path as a str, from a str, bytes or os.PathLike; else a TypeError naming it."""
+    try:
+        return os.fsdecode(os.fspath(path))
+    except TypeError:
+        raise TypeError(f"a run path is a str, bytes or os.PathLike, got {path!r}") from None
+
+
 def integral(number: Any) -> int:
     """An int from any integral number (``int``, ``numpy.int64``, ...) but a bool."""
     if isinstance(number, bool):

@@ -30,7 +30,7 @@ from .errors import CorruptionError, StepNotFoundError
 from .codecs import add_low_bits, decode
 from .index import StepRow, open_existing, unit_path
 from .items import LOSSY_KEYS, TensorRecord
-from .layout import asked_step, restore_unit, steps_dir, unit_bytes
+from .layout import asked_step, restore_unit, run_path, steps_dir, unit_bytes
 
 
 HUGE_PAGE = 2 << 20
@@ -620,9 +620,9 @@ class Store:
     :class:`StepData` takes it, for every step opened."""
 
     def __init__(self, run_dir: str, plain_reads: bool = False):
-        self.run_dir = run_dir
+        self.run_dir = run_path(run_dir)
         self.plain_reads = plain_reads
-        self.index = open_existing(run_dir)
+        self.index = open_existing(self.run_dir)
         # the newest decoded values of each tensor: reading step after step decodes each delta once
         self._decoded: OrderedDict[tuple, np.ndarray] = OrderedDict()  # (name, (step, time)) -> bytes
         self._decoded_bytes = 0

@@ -494,3 +494,23 @@ def test_policy_counts_are_whole_numbers_numpy_ones_too(run_dir):
             ckpt.write(step, linear())
         assert ckpt.prune(keep_last=np.int64(2)) == [0, 1, 2]
         assert ckpt.steps() == [3, 4]
+
+
+def test_run_paths_of_every_kind_and_none_that_is_no_path(run_dir):
+    with dh.Checkpointer(os.fsencode(run_dir)) as ckpt:  # bytes, as os.fsencode gives them
+        ckpt.write(0, linear())
+        assert ckpt.path == str(run_dir)
+    for path in (run_dir, str(run_dir), os.fsencode(run_dir)):
+        with dh.open(path) as h:
+            assert h.path == str(run_dir) and h.steps == [0]
+    for make in (dh.Checkpointer, dh.open):
+        for path in (5, None):
+            with pytest.raises(TypeError) as err:
+                make(path)
+            assert str(err.value) == f"a run path is a str, bytes or os.PathLike, got {path!r}"
+    for bad in (0, -1, 1.0, "2"):  # with none kept open, the step just read would be closed
+        with pytest.raises(ValueError) as err:
+            dh.History(run_dir, max_open_steps=bad)
+        assert str(err.value) == f"max_open_steps must be a whole number >= 1, got {bad!r}"
+    with dh.History(run_dir, max_open_steps=np.int64(1)) as h:
+        assert torch.equal(h.read("model/weight", 0), h.read("model/weight", np.int64(0)))
