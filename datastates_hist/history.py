@@ -20,7 +20,7 @@ from .dtypes import storage_torch_dtype
 from .errors import StepNotFoundError
 from .index import STAT_KEYS, TENSOR_STATS
 from .items import MODEL_PREFIX, matches
-from .layout import asked_step, integral, run_path
+from .layout import asked_step, count_of, run_path
 from .scalars import close_hint, matches_scalar, resolve_scalar, scalars_of
 from .store import StepData, Store
 
@@ -30,12 +30,8 @@ class History:
 
     def __init__(self, path: str, max_open_steps: int = 8):
         self.path = run_path(path)
-        try:
-            self._max_open = integral(max_open_steps)
-        except TypeError:
-            self._max_open = 0
-        if self._max_open < 1:  # the step just opened is the one read: it must stay open
-            raise ValueError(f"max_open_steps must be a whole number >= 1, got {max_open_steps!r}")
+        # the step just opened is the one read: at least it stays open
+        self._max_open = count_of(max_open_steps, "max_open_steps")
         self.store = Store(self.path)
         self._open: OrderedDict[int, StepData] = OrderedDict()
 

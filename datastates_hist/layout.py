@@ -54,6 +54,17 @@ def integral(number: Any) -> int:
     return operator.index(number)
 
 
+def count_of(value: Any, what: str) -> int:
+    """``value`` as an int >= 1 (a numpy integer too), else a ValueError naming ``what``."""
+    try:
+        count = integral(value)
+    except TypeError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"{what} needs a whole number >= 1, got {value!r}")
+    return count
+
+
 def asked_step(step: Any) -> int:
     """A step asked for to read: an int from any integral number (``numpy.int64`` from an
     array of steps), else a TypeError that names what was given."""

@@ -26,18 +26,7 @@ from typing import Iterable
 
 from .index import Index, StepRow, unit_path
 from .items import DELTA, KEY, RAW
-from .layout import integral, restore_unit, steps_dir, unit_bytes
-
-
-def _count(value, what: str) -> int:
-    """``value`` as an int >= 1 (a numpy integer too), else a ValueError naming ``what``."""
-    try:
-        count = integral(value)
-    except TypeError:
-        count = 0
-    if count < 1:
-        raise ValueError(f"{what} needs a whole number >= 1, got {value!r}")
-    return count
+from .layout import count_of, restore_unit, steps_dir, unit_bytes
 
 
 class Policy:
@@ -69,7 +58,7 @@ class KeepLast(Policy):
     n: int
 
     def __post_init__(self):
-        object.__setattr__(self, "n", _count(self.n, "KeepLast"))
+        object.__setattr__(self, "n", count_of(self.n, "KeepLast"))
 
     def keep(self, steps: list[int]) -> set[int]:
         return set(steps[-self.n:])
@@ -85,7 +74,7 @@ class KeepEvery(Policy):
     k: int
 
     def __post_init__(self):
-        object.__setattr__(self, "k", _count(self.k, "KeepEvery"))
+        object.__setattr__(self, "k", count_of(self.k, "KeepEvery"))
 
     def keep(self, steps: list[int]) -> set[int]:
         return {s for s in steps if s % self.k == 0}
@@ -143,7 +132,7 @@ class Trajectory:
             if not isinstance(p, str) or not p:
                 raise TypeError(f"Trajectory needs name patterns (strings such as 'model/*'), got {p!r}")
         object.__setattr__(self, "patterns", tuple(patterns))
-        object.__setattr__(self, "every", _count(every, "Trajectory(every=...)"))
+        object.__setattr__(self, "every", count_of(every, "Trajectory(every=...)"))
         object.__setattr__(self, "keep_bits", _keep_bits(keep_bits))
 
     def rounds(self, name: str, dtype: str, step: int) -> int | None:
@@ -335,7 +324,7 @@ class StepPlan:
 
 
 def key_every_count(key_every) -> int:
-    return _count(key_every, "key_every")
+    return count_of(key_every, "key_every")
 
 
 def check_codec(codec) -> str:

@@ -511,6 +511,6 @@ def test_run_paths_of_every_kind_and_none_that_is_no_path(run_dir):
     for bad in (0, -1, 1.0, "2"):  # with none kept open, the step just read would be closed
         with pytest.raises(ValueError) as err:
             dh.History(run_dir, max_open_steps=bad)
-        assert str(err.value) == f"max_open_steps must be a whole number >= 1, got {bad!r}"
+        assert str(err.value) == f"max_open_steps needs a whole number >= 1, got {bad!r}"
     with dh.History(run_dir, max_open_steps=np.int64(1)) as h:
         assert torch.equal(h.read("model/weight", 0), h.read("model/weight", np.int64(0)))
