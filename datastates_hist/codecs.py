@@ -18,9 +18,7 @@ and blosc2's buffer limits never apply; a chunk that does not shrink is stored r
 The chunk table ``[[raw_len, stored_len, flag], ...]`` is all a reader needs besides the
 blob; :func:`check_chunks` validates one read from a manifest before anything trusts it.
 
-:func:`round_mantissa` is the lossy part, applied only on request before encoding: it
-rounds floats to ``keep_bits`` explicit mantissa bits (round to nearest, ties to even),
-which makes the low bits zero and the residuals far more compressible.
+The lossy part, applied only on request before encoding, is :mod:`.rounding`.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from collections.abc import Callable
 import blosc2
 import numpy as np
 
-from .digest import _fused, checksum_stream
+from .digest import _fused
 from .dtypes import torch_dtype
 
 # blosc2 holds the GIL in compress2 and decompress2 unless told otherwise: the flusher's
@@ -71,8 +69,8 @@ GROUPED_SHUFFLE = blosc2.Filter.BITSHUFFLE
 GROUPED_SPLIT = blosc2.SplitMode.ALWAYS_SPLIT
 
 # Explicit mantissa bits, and the unsigned type holding the bit pattern, per float dtype.
-_MANTISSA_BITS = {"float32": 23, "float64": 52, "bfloat16": 7, "float16": 10}
-_BITS_TYPE = {"float32": np.uint32, "float64": np.uint64, "bfloat16": np.uint16,
+MANTISSA_BITS = {"float32": 23, "float64": 52, "bfloat16": 7, "float16": 10}
+BITS_TYPE = {"float32": np.uint32, "float64": np.uint64, "bfloat16": np.uint16,
               "float16": np.uint16}
 
 # The biased exponent of each float dtype's bit pattern, as (shift, bits): the key a
@@ -82,8 +80,8 @@ _BITS_TYPE = {"float32": np.uint32, "float64": np.uint64, "bfloat16": np.uint16,
 # 0.526 -> 0.497 of the raw bytes, a restore point 0.318 -> 0.298; the grouping is a pass
 # of about 1.8 GB/s each way.
 # The exponent lies just above the explicit mantissa bits, below the sign.
-GROUP_KEYS = {dtype: (bits, 8 * np.dtype(_BITS_TYPE[dtype]).itemsize - 1 - bits)
-              for dtype, bits in _MANTISSA_BITS.items()}
+GROUP_KEYS = {dtype: (bits, 8 * np.dtype(BITS_TYPE[dtype]).itemsize - 1 - bits)
+              for dtype, bits in MANTISSA_BITS.items()}
 
 
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -185,12 +183,12 @@ def group(src: np.ndarray, key: np.ndarray, dst: np.ndarray, dtype: str, inverse
 def _check_bases(base, base2, size: int, of: str) -> None:
     for what, b in (("base", base), ("base2", base2)):
         if b is not None:
-            _check_byte_array(what, b)
+            check_byte_array(what, b)
             if b.size != size:
                 raise ValueError(f"{what} has {b.size} bytes, {of} {size}")
 
 
-def _check_byte_array(what: str, array, writeable: bool = False) -> None:
+def check_byte_array(what: str, array, writeable: bool = False) -> None:
     if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 1:
         raise ValueError(f"{what} must be a 1-D uint8 numpy array")
     if not array.flags.c_contiguous:
@@ -333,7 +331,7 @@ class Encoder:
         No other array is modified."""
         if self._finished:
             raise RuntimeError("Encoder.add called after finish")
-        _check_byte_array("piece", piece)
+        check_byte_array("piece", piece)
         if piece.size % self.itemsize:
             raise ValueError(f"piece of {piece.size} bytes is not a whole number of "
                              f"{self.itemsize}-byte {self.dtype} elements")
@@ -348,7 +346,7 @@ class Encoder:
         elif base is not None or base2 is not None:
             raise ValueError("base given to an encoder without delta")
         if keep is not None:
-            _check_byte_array("keep", keep, writeable=True)
+            check_byte_array("keep", keep, writeable=True)
             if keep.size != piece.size:
                 raise ValueError(f"keep has {keep.size} bytes, the piece {piece.size}")
         for start in range(0, piece.size, CHUNK_BYTES):
@@ -473,8 +471,8 @@ def decode(blob: np.ndarray, chunks: list[list[int]], itemsize: int, out: np.nda
     prediction computed chunk by chunk, which writes the prediction of bytes
     ``[start, stop)`` into ``into`` (the whole prediction is never held: one chunk's
     scratch, reused while it is in the CPU cache). Raises ValueError on any inconsistency."""
-    _check_byte_array("blob", blob)
-    _check_byte_array("out", out, writeable=True)
+    check_byte_array("blob", blob)
+    check_byte_array("out", out, writeable=True)
     if base2 is not None and base is None:
         raise ValueError("a second base without a first")
     if predict is not None and base is not None:
@@ -520,138 +518,3 @@ def decode(blob: np.ndarray, chunks: list[list[int]], itemsize: int, out: np.nda
                 residuals.decode(target, b1, b2, shift)
         src += stored_len
         dst += raw_len
-
-
-def check_keep_bits(dtype: str, keep_bits: int) -> None:
-    """Raise ValueError unless ``keep_bits`` mantissa bits can be kept for ``dtype``."""
-    if dtype not in _MANTISSA_BITS:
-        raise ValueError(f"mantissa rounding applies to {', '.join(LOSSY_DTYPES)}, not {dtype}")
-    top = _MANTISSA_BITS[dtype]
-    if isinstance(keep_bits, np.integer):
-        keep_bits = int(keep_bits)
-    if isinstance(keep_bits, bool) or not isinstance(keep_bits, int) or not 1 <= keep_bits <= top:
-        raise ValueError(f"keep_bits must be 1..{top} for {dtype}, got {keep_bits!r}")
-
-
-def rounding_bound(dtype: str, keep_bits: int) -> float:
-    """The largest relative error :func:`round_mantissa` makes on normal numbers."""
-    check_keep_bits(dtype, keep_bits)
-    return 2.0 ** -(keep_bits + 1)
-
-
-def round_mantissa(array: np.ndarray, dtype: str, keep_bits: int) -> np.ndarray:
-    """A copy of ``array`` (a ``dtype`` tensor's stored values: bfloat16 and float16 as
-    uint16 bit patterns) rounded to ``keep_bits`` explicit mantissa bits, to nearest with
-    ties to even. NaN and inf are unchanged; a finite value never rounds to inf (it is
-    truncated instead)."""
-    check_keep_bits(dtype, keep_bits)
-    storage = np.dtype(np.uint16 if dtype in ("bfloat16", "float16") else dtype)
-    if not isinstance(array, np.ndarray) or array.dtype != storage:
-        got = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
-        raise ValueError(f"{dtype} values must be given as a {storage} array, got {got}")
-    bits = np.ascontiguousarray(array).reshape(-1).view(_BITS_TYPE[dtype])
-    out = np.empty_like(bits)
-    _Rounder(dtype, keep_bits).round_into(bits, out)
-    return out.view(storage).reshape(array.shape)
-
-
-class _Rounder:
-    """:func:`round_mantissa` of 1-D bit patterns into a given array, block by block in
-    preallocated scratch (in place, numpy's integer ufuncs release the GIL)."""
-
-    BLOCK = 1 << 16  # elements per pass: the passes over a block stay in the CPU cache
-
-    def __init__(self, dtype: str, keep_bits: int):
-        t = self.bits_type = _BITS_TYPE[dtype]
-        width, mantissa = 8 * np.dtype(t).itemsize, _MANTISSA_BITS[dtype]
-        self.drop = t(mantissa - keep_bits)
-        self.exponent_mask = t(((1 << (width - 1 - mantissa)) - 1) << mantissa)
-        self.keep_mask = t(~((1 << int(self.drop)) - 1) & ((1 << width) - 1))
-        self.half_minus_one = t((1 << int(self.drop)) >> 1) - t(1) if self.drop else t(0)
-        self._scratch = np.empty(self.BLOCK, t)
-        self._special = np.empty(self.BLOCK, bool)
-        self._overflowed = np.empty(self.BLOCK, bool)
-
-    def round_into(self, bits: np.ndarray, out: np.ndarray) -> None:
-        if not self.drop:
-            np.copyto(out, bits)
-            return
-        one = self.bits_type(1)
-        for at in range(0, bits.size, self.BLOCK):
-            b, o = bits[at:at + self.BLOCK], out[at:at + self.BLOCK]
-            scratch, special, overflowed = (a[:b.size] for a in (self._scratch, self._special, self._overflowed))
-            np.bitwise_and(b, self.exponent_mask, out=scratch)
-            np.equal(scratch, self.exponent_mask, out=special)  # NaN and inf: kept as they are
-            # Adding half an ulp minus one, plus the lowest kept bit, rounds ties to even;
-            # a carry out of the mantissa correctly bumps the exponent.
-            np.right_shift(b, self.drop, out=scratch)
-            np.bitwise_and(scratch, one, out=scratch)
-            np.add(b, self.half_minus_one, out=o)
-            np.add(o, scratch, out=o)
-            np.bitwise_and(o, self.keep_mask, out=o)
-            np.bitwise_and(o, self.exponent_mask, out=scratch)
-            np.equal(scratch, self.exponent_mask, out=overflowed)  # a finite value rounded up to inf
-            if overflowed.any():
-                np.copyto(o, b & self.keep_mask, where=overflowed & ~special)  # truncated instead
-            if special.any():
-                np.copyto(o, b, where=special)
-
-
-# --- lossy trajectory points: a float tensor split into its rounded value and low bits -------
-
-def mantissa_bits(dtype: str) -> int | None:
-    """The explicit mantissa bits of float ``dtype``; None for a dtype never rounded."""
-    return _MANTISSA_BITS.get(dtype)
-
-
-class MantissaSplit:
-    """Splits a float tensor, piece by piece, into its value rounded to ``keep_bits``
-    mantissa bits (:func:`round_mantissa`), which the caller stores, and its *low bits*
-    ``bits(exact) XOR bits(rounded)``, compressed alone here (no delta: they are noise).
-    ``exact = rounded XOR low`` gives every bit back; :meth:`checksum` is the xxh3-64 of
-    the rounded bytes, what a reader of the rounded value gets back."""
-
-    def __init__(self, dtype: str, keep_bits: int):
-        check_keep_bits(dtype, keep_bits)
-        self.dtype, self.keep_bits = dtype, keep_bits
-        self._storage = np.dtype(np.uint16 if dtype in ("bfloat16", "float16") else dtype)
-        self.low = Encoder(dtype, delta=False)
-        self._hasher = checksum_stream()
-        self._rounder = _Rounder(dtype, keep_bits)
-        self._rounded_buf = self._low_buf = np.empty(0, np.uint8)
-
-    def add(self, piece: np.ndarray) -> np.ndarray:
-        """The rounded bytes of ``piece`` (1-D uint8, whole elements), valid until the next
-        call; its low bits are encoded. ``piece`` is not modified."""
-        _check_byte_array("piece", piece)
-        if piece.size % self.low.itemsize:
-            raise ValueError(f"piece of {piece.size} bytes is not a whole number of "
-                             f"{self.low.itemsize}-byte {self.dtype} elements")
-        if self._low_buf.size < piece.size:
-            self._rounded_buf, self._low_buf = np.empty(piece.size, np.uint8), np.empty(piece.size, np.uint8)
-        rounded, low = self._rounded_buf[:piece.size], self._low_buf[:piece.size]
-        bits_type = self._rounder.bits_type
-        self._rounder.round_into(piece.view(bits_type), rounded.view(bits_type))
-        self._hasher.update(rounded)
-        np.bitwise_xor(piece, rounded, out=low)
-        self.low.add(low, None)
-        return rounded
-
-    def checksum(self) -> str:
-        return self._hasher.hexdigest()
-
-    def finish(self) -> tuple[np.ndarray, list[list[int]]]:
-        """``(blob, chunks)`` of the low bits (as :meth:`Encoder.finish`)."""
-        blob, chunks, _ = self.low.finish()
-        self._rounded_buf = self._low_buf = np.empty(0, np.uint8)
-        return blob, chunks
-
-
-def add_low_bits(rounded: np.ndarray, blob: np.ndarray, chunks: list[list[int]], itemsize: int) -> np.ndarray:
-    """The exact bytes (a new 1-D uint8 array) of a value stored as ``rounded`` (not
-    modified) and its low bits encoded as ``blob``/``chunks``. Raises ValueError on any
-    inconsistency of the blob (as :func:`decode`)."""
-    exact = np.empty(rounded.size, np.uint8)
-    decode(blob, chunks, itemsize, exact)
-    np.bitwise_xor(exact, rounded, out=exact)
-    return exact

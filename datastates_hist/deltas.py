@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import predictors
-from .codecs import Encoder, MantissaSplit, _NormAccumulator, mantissa_bits
+from .codecs import Encoder, _NormAccumulator
+from .rounding import MantissaSplit, mantissa_bits
 from .items import DELTA, KEY
 
 

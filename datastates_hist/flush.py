@@ -27,7 +27,7 @@ import numpy as np
 
 from . import predictors
 from .cache import HostCache
-from .codecs import MantissaSplit, rounding_bound
+from .rounding import MantissaSplit, rounding_bound
 from .deltas import Anchors, Encoding
 from .digest import Digest
 from .dtypes import dtype_name, storage_dtype

@@ -22,7 +22,8 @@ from .index import STAT_KEYS, TENSOR_STATS
 from .items import MODEL_PREFIX, matches
 from .layout import asked_step, count_of, run_path
 from .scalars import close_hint, matches_scalar, resolve_scalar, scalars_of
-from .store import StepData, Store
+from .step_data import StepData
+from .store import Store
 
 
 class History:

@@ -144,7 +144,7 @@ class TensorRecord:
     def dropped_bits(self) -> int:
         """The mantissa bits rounding made zero (0 for an exact tensor): a delta's
         residual chunks may be stored shifted right by as many (codecs.SHIFTED)."""
-        from .codecs import mantissa_bits
+        from .rounding import mantissa_bits
 
         bits = mantissa_bits(self.dtype)
         if bits is None or not _is_int(self.keep_bits) or not 0 < self.keep_bits <= bits:
@@ -254,7 +254,8 @@ class TensorRecord:
     def _check_lossy(self, itemsize: int, indexed: bool) -> None:
         """A lossy tensor: kept bits its dtype has, the bound they give, an encoded main
         value; low bits (if any) with the exact checksum and, in a manifest, their chunks."""
-        from .codecs import check_chunks, check_keep_bits, rounding_bound
+        from .codecs import check_chunks
+        from .rounding import check_keep_bits, rounding_bound
 
         name = self.name
         try:

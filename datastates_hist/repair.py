@@ -77,7 +77,8 @@ from .layout import (DAMAGED_DIR, MAX_STEP, RANKS_SUFFIX, REBUILDING_DIR, file_n
                      index_path, main_of_restore_unit, rank_file, restore_unit, step_of_unit, steps_dir,
                      take_writer_lock)
 from .scalars import scalars_of
-from .store import DECODED_PER_TENSOR, StepData
+from .step_data import StepData
+from .store import DECODED_PER_TENSOR
 
 PREVIOUS_INDEX_SUFFIX = ".previous"  # the healthy index a forced repair replaced: RUN/index.sqlite.previous
 _SQLITE_FILES = ("", "-wal", "-shm")  # an SQLite database's main file and its WAL files, by suffix

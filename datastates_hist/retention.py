@@ -140,7 +140,7 @@ class Trajectory:
         trajectory point, or None when it stays exact."""
         if self.keep_bits is None or not self.on_grid(step) or not self.holds(name):
             return None
-        from .codecs import mantissa_bits  # here: numpy and torch only where tensors are written
+        from .rounding import mantissa_bits  # here: numpy and torch only where tensors are written
 
         bits = mantissa_bits(dtype)
         # a dtype with no more mantissa bits than kept loses nothing: stored exact

@@ -26,7 +26,8 @@ from typing import Callable, Iterable
 from .errors import CorruptionError, StepNotFoundError
 from .index import FORMAT_VERSION
 from .items import TensorRecord
-from .store import StepData, Store
+from .step_data import StepData
+from .store import Store
 
 Progress = Callable[[int, "str | None", int], None]
 """Called as ``progress(step, tensor, nbytes)`` after each tensor is checked

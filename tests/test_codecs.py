@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from datastates_hist import codecs
+from datastates_hist import codecs, rounding
 from datastates_hist.codecs import CHUNK_BYTES, STORED_RAW, Encoder, check_chunks, decode
 from datastates_hist.dtypes import torch_dtype
 
@@ -298,13 +298,13 @@ def _values(stored: np.ndarray, dtype: str) -> np.ndarray:
 def test_round_mantissa_stays_within_the_bound(dtype, keep_bits):
     stored = _stored(CURRENT, dtype).view(np.uint16 if dtype in ("bfloat16", "float16") else dtype)
     before = stored.copy()
-    rounded = codecs.round_mantissa(stored, dtype, keep_bits)
+    rounded = rounding.round_mantissa(stored, dtype, keep_bits)
     assert rounded.dtype == stored.dtype and rounded.shape == stored.shape
     assert np.array_equal(stored, before)
     exact, approx = _values(stored, dtype), _values(rounded, dtype)
     normal = np.abs(exact) >= {"float16": 2.0 ** -14}.get(dtype, 1e-30)
     error = np.abs(approx[normal] - exact[normal]) / np.abs(exact[normal])
-    bound = codecs.rounding_bound(dtype, keep_bits)
+    bound = rounding.rounding_bound(dtype, keep_bits)
     assert bound == 2.0 ** -(keep_bits + 1)
     assert error.max() <= bound and error.max() > bound / 4
     # Only keep_bits mantissa bits remain.
@@ -316,16 +316,16 @@ def test_round_mantissa_stays_within_the_bound(dtype, keep_bits):
 def test_round_mantissa_rounds_ties_to_even_and_keeps_nan_inf_and_finite_values():
     ties = np.array([1 + 2 ** -9, 1 + 2 ** -8 + 2 ** -9, -(1 + 2 ** -9), 1 + 2 ** -9 + 2 ** -20],
                     np.float32)
-    assert codecs.round_mantissa(ties, "float32", 8).tolist() == [1.0, 1 + 2 ** -7, -1.0,
+    assert rounding.round_mantissa(ties, "float32", 8).tolist() == [1.0, 1 + 2 ** -7, -1.0,
                                                                   1 + 2 ** -8]
     special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, np.finfo(np.float32).max], np.float32)
-    rounded = codecs.round_mantissa(special, "float32", 4)
+    rounded = rounding.round_mantissa(special, "float32", 4)
     assert np.isnan(rounded[0]) and rounded[1:3].tolist() == [np.inf, -np.inf]
     assert rounded.view(np.uint32)[3:5].tolist() == [0, 0x80000000]
     assert np.isfinite(rounded[5]) and rounded[5] == np.float32((2 - 2 ** -4) * 2.0 ** 127)
     bf16 = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0 + 2 ** -7],
                         dtype=torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    rounded = codecs.round_mantissa(bf16, "bfloat16", 3)
+    rounded = rounding.round_mantissa(bf16, "bfloat16", 3)
     assert rounded[:3].tolist() == bf16[:3].tolist() and _values(rounded, "bfloat16")[3] == 1.0
 
 
@@ -342,9 +342,9 @@ def test_round_mantissa_rounds_ties_to_even_and_keeps_nan_inf_and_finite_values(
     ("int64", 3, "mantissa rounding applies to float32, float64, bfloat16, float16, not int64"),
 ])
 def test_keep_bits_out_of_range_is_refused(dtype, keep_bits, message):
-    for call in (lambda: codecs.check_keep_bits(dtype, keep_bits),
-                 lambda: codecs.rounding_bound(dtype, keep_bits),
-                 lambda: codecs.round_mantissa(np.zeros(2, np.float32), dtype, keep_bits)):
+    for call in (lambda: rounding.check_keep_bits(dtype, keep_bits),
+                 lambda: rounding.rounding_bound(dtype, keep_bits),
+                 lambda: rounding.round_mantissa(np.zeros(2, np.float32), dtype, keep_bits)):
         with pytest.raises(ValueError) as info:
             call()
         assert str(info.value) == message
@@ -353,8 +353,8 @@ def test_keep_bits_out_of_range_is_refused(dtype, keep_bits, message):
 def test_round_mantissa_refuses_values_of_another_dtype():
     with pytest.raises(ValueError, match="^bfloat16 values must be given as a uint16 array, "
                                          "got float32$"):
-        codecs.round_mantissa(np.zeros(2, np.float32), "bfloat16", 3)
-    assert codecs.round_mantissa(np.ones(2, np.float32), "float32", 23).tolist() == [1.0, 1.0]
+        rounding.round_mantissa(np.zeros(2, np.float32), "bfloat16", 3)
+    assert rounding.round_mantissa(np.ones(2, np.float32), "float32", 23).tolist() == [1.0, 1.0]
 
 
 # -- the GIL -------------------------------------------------------------------------
@@ -491,7 +491,7 @@ def test_a_grouped_chunk_is_split_per_element_byte_and_a_reader_follows_either_s
     written either way decodes the same."""
     dont_split = 0x10  # the Blosc2 header's flags byte (offset 2)
     previous, current = _stored(PREVIOUS, "float32"), _stored(CURRENT, "float32")
-    rounded = [codecs.round_mantissa(a.view(np.float32), "float32", 8).view(np.uint8) for a in (previous, current)]
+    rounded = [rounding.round_mantissa(a.view(np.float32), "float32", 8).view(np.uint8) for a in (previous, current)]
     for (base, x), drop, split in [((previous, current), 0, True), (rounded, 15, False)]:
         encoder = Encoder("float32", delta=True, drop=drop)
         encoder.add(x, base)
@@ -676,7 +676,7 @@ def _rounded_steps(keep_bits: int, dtype: str = "float32"):
     """Three consecutive Adam steps of a layer's weights, rounded to ``keep_bits`` bits."""
     w = [_stored(x, dtype) for x in (_adam_weights(4)[0], PREVIOUS, CURRENT)]
     storage = np.uint16 if dtype in ("bfloat16", "float16") else np.dtype(dtype)
-    return [codecs.round_mantissa(x.view(storage), dtype, keep_bits).view(np.uint8).reshape(-1) for x in w]
+    return [rounding.round_mantissa(x.view(storage), dtype, keep_bits).view(np.uint8).reshape(-1) for x in w]
 
 
 @pytest.mark.parametrize("dtype, keep_bits", [("float32", 8), ("float32", 1), ("float64", 20), ("float16", 4)])
@@ -684,7 +684,7 @@ def test_a_delta_of_rounded_values_is_shifted_by_the_dropped_bits_and_round_trip
     """docs/format.md: the residual of a rounded tensor's delta is stored shifted right by
     the mantissa bits rounding dropped; it is smaller than unshifted, and decodes exactly."""
     b2, b1, x = _rounded_steps(keep_bits, dtype)
-    drop = codecs.mantissa_bits(dtype) - keep_bits
+    drop = rounding.mantissa_bits(dtype) - keep_bits
     sizes = {}
     for d in (0, drop):
         encoder = Encoder(dtype, delta=True, drop=d, grouped=False)  # a grouped delta is never shifted

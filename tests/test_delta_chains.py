@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import datastates_hist as dh
+import datastates_hist.step_data as step_data_module
 import datastates_hist.store as store_module
 from test_paths_and_sizes import rewrite_manifest
 
@@ -14,13 +15,13 @@ def decodes(monkeypatch):
     """The count of tensor values decoded, with the budget of decoded values kept at 2 MiB
     (as 1 GiB is to a tensor of 768 MiB)."""
     count = [0]
-    decode = store_module.decode
+    decode = step_data_module.decode
 
     def counting(*args, **kwargs):
         count[0] += 1
         return decode(*args, **kwargs)
 
-    monkeypatch.setattr(store_module, "decode", counting)
+    monkeypatch.setattr(step_data_module, "decode", counting)
     monkeypatch.setattr(store_module, "DECODED_BYTES", 2 << 20)
     return count
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import datastates_hist as dh
-from datastates_hist import codecs
+from datastates_hist import rounding
 from datastates_hist.layout import index_path, restore_unit, step_stem, steps_dir
 from datastates_hist.repair import repair_run
 from datastates_hist.store import Store
@@ -117,7 +117,7 @@ def assert_within_bound(got: torch.Tensor, exact: torch.Tensor, keep_bits: int, 
     assert rel.max(initial=0) <= 2.0 ** -(keep_bits + 1), (what, rel.max())
     # and bit for bit what the rounding gives
     values, dtype = storage(exact)
-    want = codecs.round_mantissa(values, dtype, keep_bits)
+    want = rounding.round_mantissa(values, dtype, keep_bits)
     assert storage(got)[0].tobytes() == want.tobytes(), what
 
 

@@ -63,11 +63,11 @@ def test_a_damaged_encoded_tensor_fails_the_restore_by_name(run_dir, damaged):
 
 
 def test_encoded_tensors_are_read_in_batches_of_bounded_size(run_dir, monkeypatch):
-    from datastates_hist import store
+    from datastates_hist import step_data
     from datastates_hist.backends.adios2_bp5 import Adios2StepReader
 
     model, opt = train(run_dir, "adios2", codec="key", steps=1)
-    monkeypatch.setattr(store, "BATCH_BYTES", 4096)  # about a tensor a batch
+    monkeypatch.setattr(step_data, "BATCH_BYTES", 4096)  # about a tensor a batch
     batches, read_many = [], Adios2StepReader.read_many
 
     def recorded(self, requests):
@@ -159,7 +159,7 @@ def test_two_records_of_one_tied_tensor_are_never_decoded_into_it_at_once(run_di
     its checksum against what it wrote), and the tie is restored with the values."""
     import threading
 
-    from datastates_hist import store
+    from datastates_hist import step_data
 
     torch.manual_seed(0)
     model = Tied()
@@ -172,7 +172,7 @@ def test_two_records_of_one_tied_tensor_are_never_decoded_into_it_at_once(run_di
             ckpt.write(step, model, opt)
     tied = {"model/emb.weight", "model/head.weight"}
     both_running = threading.Barrier(2, timeout=30)
-    written, decode = {}, store.StepData._decode
+    written, decode = {}, step_data.StepData._decode
 
     def held(self, rec, blob, out, bases):
         if rec.name in tied:
@@ -180,9 +180,9 @@ def test_two_records_of_one_tied_tensor_are_never_decoded_into_it_at_once(run_di
             both_running.wait()  # a BrokenBarrierError here: the two decodes never overlapped
         decode(self, rec, blob, out, bases)
 
-    monkeypatch.setattr(store, "DECODERS", 2)
-    monkeypatch.setattr(store, "WAVE_BYTES", 1)  # a task per tensor, so that the two may run at once
-    monkeypatch.setattr(store.StepData, "_decode", held)
+    monkeypatch.setattr(step_data, "DECODERS", 2)
+    monkeypatch.setattr(step_data, "WAVE_BYTES", 1)  # a task per tensor, so that the two may run at once
+    monkeypatch.setattr(step_data.StepData, "_decode", held)
     torch.manual_seed(1)
     fresh = Tied()
     with dh.Checkpointer(run_dir) as ckpt:

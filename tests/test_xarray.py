@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import datastates_hist as dh
-from datastates_hist.store import StepData, Store
+from datastates_hist.step_data import StepData
+from datastates_hist.store import Store
 
 xr = pytest.importorskip("xarray")
 from datastates_hist.xarray_backend import DatastatesBackendEntrypoint  # noqa: E402

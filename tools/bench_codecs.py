@@ -45,7 +45,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "examples")]
 import train_gpt  # noqa: E402
 
-from datastates_hist import codecs, predictors  # noqa: E402
+from datastates_hist import codecs, predictors, rounding  # noqa: E402
 
 KINDS = ("weights", "exp_avg", "exp_avg_sq")
 BETAS, EPS = (0.9, 0.95), 1e-8  # train_gpt.make_optimizer's
@@ -148,7 +148,7 @@ def codec_rows(states: list[dict], keep_bits: int) -> list[tuple]:
     ratios = [row[2] for row in rows if (row[0], row[1]) in writer]  # the three are of equal size
     rows.append(("all state", "the writer's", sum(ratios) / len(ratios), float("nan"), float("nan"),
                  "weights, exp_avg, exp_avg_sq as above"))
-    rounded = [[codecs.round_mantissa(w, "float32", keep_bits) for w in s["weights"]]
+    rounded = [[rounding.round_mantissa(w, "float32", keep_bits) for w in s["weights"]]
                for s in states]
     worst = max(max_relative_error(w, r) for s, rs in zip(states, rounded)
                 for w, r in zip(s["weights"], rs))
@@ -156,12 +156,12 @@ def codec_rows(states: list[dict], keep_bits: int) -> list[tuple]:
     enc = dec = 0.0
     for t in range(2, len(states)):
         r, s, e, encoded = encode_all(rounded[t], rounded[t - 1], rounded[t - 2],
-                                      drop=codecs.mantissa_bits("float32") - keep_bits)
+                                      drop=rounding.mantissa_bits("float32") - keep_bits)
         raw, stored, enc = raw + r, stored + s, enc + e
         dec += decode_seconds(encoded)
     rows.append(("weights", f"lossy {keep_bits} bits + delta, 2 bases", stored / raw,
                  raw / enc / 1e6, raw / dec / 1e6,
-                 f"max rel err {worst:.3g} (bound {codecs.rounding_bound('float32', keep_bits):.3g})"))
+                 f"max rel err {worst:.3g} (bound {rounding.rounding_bound('float32', keep_bits):.3g})"))
     return rows
 
 
@@ -317,7 +317,7 @@ def main(argv=None) -> None:
     parser.add_argument("--bounds", action="store_true", help="also how small the weights' residuals could get")
     args = parser.parse_args(argv)
     try:
-        codecs.check_keep_bits("float32", args.keep_bits)
+        rounding.check_keep_bits("float32", args.keep_bits)
     except ValueError as e:
         parser.error(str(e))
     torch.set_num_threads(1)

@@ -44,7 +44,8 @@ from ..checkpointer import Checkpointer
 from ..durable import fsync_path, rename_into_place
 from ..errors import CorruptionError, StepNotFoundError, StepOrderError
 from ..items import under
-from ..store import StepData, Store
+from ..step_data import StepData
+from ..store import Store
 from ..values import check_nesting, decode
 
 ENGINE_NAME = "HistoryCheckpointEngine"

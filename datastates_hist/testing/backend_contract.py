@@ -537,7 +537,7 @@ class BackendContract:
     def test_lossy_trajectory_points_and_exact_restore_points(self, run_dir, backend):
         """Trajectory(keep_bits=8): trajectory points hold the weights rounded to nearest
         even at 8 mantissa bits; restore points read and restore exact."""
-        from ..codecs import round_mantissa
+        from ..rounding import round_mantissa
 
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
