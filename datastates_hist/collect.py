@@ -15,7 +15,7 @@ import torch
 from . import values as values_codec
 from .dtypes import STORABLE, storage_dtype
 from .group import Group
-from .items import TensorItem, ValueItem, under
+from .items import TensorItem, ValueItem, too_big_for_numpy, under
 from .layout import MAX_STEP, integral
 from .providers import provider_for
 from .sharding import dtensor_item, is_dtensor, split_replicated
@@ -161,7 +161,7 @@ MAX_DIMS = 32
 
 def _check_tensor(name: str, t: torch.Tensor) -> None:
     if t.layout is torch.strided and not (t.is_meta or t.is_nested) and t.dtype in STORABLE \
-            and t.dim() <= MAX_DIMS:
+            and t.dim() <= MAX_DIMS and t.numel():
         return  # the common case, in a fraction of the checks below (write() runs every step)
     if t.is_meta:
         raise ValueError(f"tensor {name!r} is on the meta device and has no data to checkpoint")
@@ -175,12 +175,18 @@ def _check_tensor(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which cannot be stored") from None
     if t.dim() > MAX_DIMS:
         raise ValueError(f"tensor {name!r} has {t.dim()} dimensions; a stored tensor has at most {MAX_DIMS}")
+    why = too_big_for_numpy(t.shape, storage_dtype(t.dtype).itemsize)  # an empty tensor's other dimensions
+    if why:
+        raise ValueError(f"tensor {name!r} cannot be stored: it has the {why}")
 
 
 def _check_shard(name: str, item: TensorItem) -> None:
     if (item.global_shape is None) != (item.offset is None):
         raise ValueError(f"shard {name!r} needs both global_shape and offset")
     if item.global_shape is not None:
+        why = too_big_for_numpy(item.global_shape, storage_dtype(item.tensor.dtype).itemsize)
+        if why:
+            raise ValueError(f"shard {name!r} cannot be stored: its global tensor has the {why}")
         shape = tuple(item.tensor.shape)
         if len(item.global_shape) != len(shape) or len(item.offset) != len(shape) or any(
             o < 0 or o + n > g for o, n, g in zip(item.offset, shape, item.global_shape)

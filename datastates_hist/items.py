@@ -16,6 +16,19 @@ if TYPE_CHECKING:  # torch is imported where tensors are made, not by readers of
 
 MAX_DIM = 2 ** 63 - 1  # numpy's dimensions are signed 64-bit
 
+
+def too_big_for_numpy(shape, itemsize: int) -> str | None:
+    """Why numpy cannot make an array of ``shape`` and ``itemsize``-byte elements, or None.
+    numpy multiplies the itemsize by every nonzero dimension, and refuses a product past
+    2**63-1 bytes even when another dimension is 0 (torch makes such an empty tensor)."""
+    nbytes = itemsize
+    for dim in shape:
+        nbytes *= dim or 1
+    if nbytes <= MAX_DIM:
+        return None
+    return (f"shape {list(shape)} of {itemsize}-byte elements: its nonzero dimensions span more than 2**63-1 "
+            "bytes, more than an array can address")
+
 # The model's tensors are stored under this prefix; readers let it be left out.
 MODEL_PREFIX = "model/"
 
@@ -226,6 +239,11 @@ class TensorRecord:
             itemsize = storage_dtype(torch_dtype(self.dtype)).itemsize
         except TypeError:
             raise ValueError(f"tensor {name!r} has an unknown dtype {self.dtype!r}") from None
+        for what in ("shape", "global_shape"):
+            dims = getattr(self, what)
+            why = None if dims is None else too_big_for_numpy(dims, itemsize)
+            if why:
+                raise ValueError(f"tensor {name!r} has {what if what != 'shape' else 'the'} {why}")
         expected = math.prod(self.shape) * itemsize
         if not _is_int(self.nbytes) or self.nbytes != expected:
             raise ValueError(f"tensor {name!r} declares shape {list(self.shape)} of {self.dtype}, which is "

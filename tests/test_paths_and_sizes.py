@@ -335,8 +335,8 @@ def restore_not_strict(run_dir, step):
 
 @pytest.mark.parametrize("fields, says", [
     ({"shape": [2 ** 31, 2 ** 31]},
-     "tensor 'model/weight' declares shape [2147483648, 2147483648] of float32, which is "
-     "18446744073709551616 bytes, but records 512 bytes"),
+     "tensor 'model/weight' has the shape [2147483648, 2147483648] of 4-byte elements: its nonzero dimensions "
+     "span more than 2**63-1 bytes, more than an array can address"),
     ({"shape": [2 ** 27, 4]},
      "tensor 'model/weight' declares shape [134217728, 4] of float32, which is 2147483648 bytes, "
      "but records 512 bytes"),
@@ -347,6 +347,9 @@ def restore_not_strict(run_dir, step):
     ({"shape": [2 ** 64, 0]},
      "tensor 'model/weight' has shape [18446744073709551616, 0]: each dimension must be an integer "
      "from 0 to 2**63-1"),
+    ({"shape": [0, 2 ** 62], "nbytes": 0},
+     "tensor 'model/weight' has the shape [0, 4611686018427387904] of 4-byte elements: its nonzero dimensions "
+     "span more than 2**63-1 bytes, more than an array can address"),
     ({"shape": "4x32"},
      "tensor 'model/weight' has shape '4x32': each dimension must be an integer from 0 to 2**63-1"),
     ({"nbytes": "512"},

@@ -233,6 +233,34 @@ def test_array_of_a_dtype_torch_lacks_is_refused_with_its_name(run_dir):
                                "stored (torch has no such dtype)")
 
 
+def test_an_empty_tensor_no_array_can_shape_is_refused(run_dir):
+    """torch makes a 0-element tensor of any shape; numpy refuses one whose nonzero
+    dimensions span more than 2**63-1 bytes, so no read could ever give it back."""
+    info = refused(run_dir, e=torch.zeros(0, 2 ** 62))
+    assert info.type is ValueError
+    assert str(info.value) == ("tensor 'extra/e' cannot be stored: it has the shape [0, 4611686018427387904] of "
+                               "4-byte elements: its nonzero dimensions span more than 2**63-1 bytes, more than "
+                               "an array can address")
+
+
+def test_empty_tensors_round_trip_with_their_shapes(run_dir, backend):
+    model = linear()
+    model.register_buffer("wide", torch.zeros(0, 2 ** 60))  # 2**62 bytes in its nonzero dimension: the most
+    model.register_buffer("tall", torch.zeros(3, 0, dtype=torch.bfloat16))
+    with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+        ckpt.write(0, model)
+        ckpt.write(1, model)
+        fresh = linear()
+        fresh.register_buffer("wide", torch.ones(0, 2 ** 60))
+        fresh.register_buffer("tall", torch.ones(3, 0, dtype=torch.bfloat16))
+        assert ckpt.restore(model=fresh).step == 1
+    with dh.open(run_dir) as h:
+        for step in (0, 1):
+            assert h.read("wide", step=step).shape == (0, 2 ** 60)
+            tall = h.read("tall", step=step)
+            assert (tall.shape, tall.dtype) == ((3, 0), torch.bfloat16)
+
+
 def test_big_endian_arrays_are_stored_value_exact(run_dir, backend):
     arrays = {"f8": np.linspace(-3, 7, 11).astype(">f8"), "i4": np.array([-5, 1, 2**31 - 1], dtype=">i4"),
               "c8": np.array([1 + 2j, -0.5j], dtype=">c8"), "u2": np.array([1, 65535], dtype=">u2")}
