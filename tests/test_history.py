@@ -189,6 +189,21 @@ def test_diff_metrics_match_numpy(run, built_dir):
     assert by.loc["model/0.weight", "frac_changed"] == 1.0  # Adam moves every weight
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_diff_of_float8_tensors_is_that_of_their_values(tmp_path, dtype):
+    """torch has no isnan or trunc for float8: they are compared as the float32 values they
+    hold (exactly), NaN in both steps left out as for every float."""
+    values = [torch.tensor([1.0, 2.0, -0.5, float("nan")]), torch.tensor([1.0, 3.0, -0.5, float("nan")])]
+    with dh.Checkpointer(tmp_path / "run") as ckpt:
+        for step, v in enumerate(values):
+            ckpt.write(step, torch.nn.Linear(1, 1), f8=v.to(dtype), f32=v.to(dtype).float())
+    with dh.open(tmp_path / "run") as h:
+        df = h.diff(0, 1, names=["extra/f8", "extra/f32"]).set_index("name")
+    metrics = ["l2", "rel_l2", "max_abs", "cosine", "frac_changed", "integral"]
+    np.testing.assert_equal(df.loc["extra/f8", metrics].tolist(), df.loc["extra/f32", metrics].tolist())
+    assert df.loc["extra/f8", ["l2", "max_abs", "frac_changed", "integral"]].tolist() == [1.0, 1.0, 0.25, False]
+
+
 def test_diff_name_patterns(run):
     df = run.diff(0, 3, names="0.*")
     assert sorted(df["name"]) == ["model/0.bias", "model/0.weight"]
