@@ -300,12 +300,14 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
+        self._check_open()  # a closed Checkpointer's index is closed: dh.open(path).steps reads it
         return self.index.steps()
 
     def truncate(self, after: int) -> list[int]:
         """Drop committed steps after ``after`` (to branch the history from there)."""
         from .retention import remove_steps
 
+        self._check_open()
         try:
             after = integral(after)
         except TypeError:
@@ -319,6 +321,7 @@ class Checkpointer:
         """Delete committed steps that no rule keeps (see :mod:`retention`); returns them."""
         from .retention import policies, prune_index
 
+        self._check_open()
         rules = policies(keep_last, keep_every)
         self.wait()
         if dry_run:

@@ -162,6 +162,14 @@ def test_newer_format_version_is_refused(run_dir):
 
 def test_closed_checkpointer(run_dir):
     ckpt = dh.Checkpointer(run_dir)
+    ckpt.write(0, linear())
     ckpt.close()
-    with pytest.raises(RuntimeError, match="is closed"):
-        ckpt.write(0, linear())
+    calls = [lambda: ckpt.write(1, linear()), lambda: ckpt.restore(model=linear()), ckpt.steps,
+             lambda: ckpt.truncate(0), lambda: ckpt.prune(keep_last=1)]
+    for call in calls:  # not a damaged index: the index was closed with the Checkpointer
+        with pytest.raises(RuntimeError) as info:
+            call()
+        assert str(info.value) == f"the Checkpointer of {run_dir} is closed"
+    ckpt.close()  # a second close does nothing
+    with dh.open(run_dir) as h:
+        assert h.steps == [0]
