@@ -107,6 +107,32 @@ def test_trace_keeps_every_series_in_80_columns(tmp_path):
     assert tables[-1].splitlines()[5:] == [f"{name}: ▁▃▆█" for name in names]
 
 
+def test_trace_of_a_name_longer_than_the_terminal_keeps_the_steps_and_never_wraps(tmp_path):
+    """The label is shortened (its end kept), beside the step column and beside its
+    sparkline; --json keeps the stored name."""
+    name = "base_model.model.layers.23.self_attn.q_proj.lora_A.default.weight_" + "x" * 20  # 87 characters
+    run = tmp_path / "run"
+    with dh.Checkpointer(run) as ckpt:
+        for step in range(3):
+            ckpt.write(step, torch.nn.Linear(1, 1), data={"loss": float(step)}, **{name: torch.ones(2) * 2 ** step})
+    out = cli("trace", run, "extra/base_model*", "loss", columns=80)
+    assert out.returncode == 0, out.stderr
+    label = "extra/…elf_attn.q_proj.lora_A.default.weight_xxxxxxxxxxxxxxxxxxxx norm"
+    assert out.stdout.splitlines() == [
+        f"step  {label}", *(f"{step:<4}  {f'{math.sqrt(2) * 2 ** step:.6g}':>{len(label)}}" for step in range(3)),
+        "", "step  loss", "0        0", "1        1", "2        2", f"{label}: ▁▃█", "loss: ▁▅█"]
+    assert max(map(len, out.stdout.splitlines())) <= 80
+    data = json.loads(cli("trace", run, "extra/base_model*", "--json").stdout)
+    assert data["name"] == f"extra/{name}"
+
+
+def test_names_alike_to_their_ends_keep_their_starts_apart():
+    from datastates_hist.cli.output import shorten_names
+
+    names = ["extra/a" + "x" * 150, "extra/b" + "x" * 150]
+    assert shorten_names(names, 30) == ["extra/axxx…" + "x" * 19, "extra/bxxx…" + "x" * 19]
+
+
 def test_diff_json_has_no_nan(tmp_path):
     run = tmp_path / "run"
     net = torch.nn.Linear(3, 1, bias=False)

@@ -145,27 +145,35 @@ KEPT_END = 32  # characters of a name's end kept before its group is given up
 CUT_REACH = 8  # characters (and a quarter of what is kept) a shortened name gives up more to begin at a part
 
 
-def shorten_names(names: list[str], room: int) -> list[str]:
-    """A column of tensor names in at most ``room`` characters each: the model's
-    without ``model/`` (as in ``state_dict()``, and as every command takes them),
-    then each too long :func:`shorten`-ed."""
+def shorten_names(names: list[str], room: int | list[int], strip: bool = True) -> list[str]:
+    """A column of tensor names in at most ``room`` characters each (or each its own
+    room): the model's without ``model/`` (as in ``state_dict()``, and as every command
+    takes them; unless not ``strip``), then each too long :func:`shorten`-ed."""
     from ..items import short_name
 
-    names = [short_name(n) for n in names]
-    short = [shorten(n, room) for n in names]
+    rooms = room if isinstance(room, list) else [room] * len(names)
+    if strip:
+        names = [short_name(n) for n in names]
+    short = [shorten(n, r) for n, r in zip(names, rooms)]
     if len(set(short)) < len(set(names)):  # a cut at a part's start lost what told two apart
-        short = [shorten(n, room, at_part=False) for n in names]
+        short = [shorten(n, r, at_part=False) for n, r in zip(names, rooms)]
+    if len(set(short)) < len(set(names)):  # alike to their ends: their starts tell them apart
+        short = [shorten(n, r, at_part=False, keep_start=True) for n, r in zip(names, rooms)]
     return short
 
 
-def shorten(name: str, room: int, at_part: bool = True) -> str:
+def shorten(name: str, room: int, at_part: bool = True, keep_start: bool = False) -> str:
     """``name`` in at most ``room`` characters, an ellipsis in place of what is left
     out. The end is kept first: it holds what tells tensors apart (block number,
     parameter, optimizer state), from the start of one of its parts where one is near;
-    the group (``optim/``) when there is room for it too."""
+    the group (``optim/``) when there is room for it too. ``keep_start``: a third of
+    the room for the name's start, the rest for its end (names alike to their ends)."""
     room = max(room, MIN_NAME_ROOM)
     if len(name) <= room:
         return name
+    if keep_start:
+        start = room // 3
+        return name[:start] + "…" + name[len(name) - (room - start - 1):]
     group = name[:name.find("/") + 1]
     head = group if room - len(group) - 1 >= KEPT_END else ""
     start = len(name) - (room - len(head) - 1)

@@ -20,7 +20,7 @@ from collections import Counter
 
 from ..index import TENSOR_STATS
 from . import add_command
-from .output import add_json_flag, console, emit, num
+from .output import GAP, add_json_flag, console, emit, num, shorten_names
 
 BARS = "▁▂▃▄▅▆▇█"
 LOG_SCALE_STATS = ("update_ratio",)
@@ -84,13 +84,18 @@ def run(args) -> int:
     if len(series) == 1:  # one series: its name and values at the top level too
         (name, values), = series.items()
         data.update(name=name, values=values)
-    columns = [label[n] + (f" {args.stat}" if n in tensors else "") for n in series]
+    suffix = {n: f" {args.stat}" if n in tensors else "" for n in series}
+    if not args.json:
+        out = console()
+        # a label never wraps: beside the step column in the table, and beside a sparkline
+        room = min(out.width - GAP - max(map(len, ["step", *map(str, steps)])), out.width - 2 - MIN_SPARK)
+        label = fitted_labels(label, {n: room - len(suffix[n]) for n in series})
+    columns = [label[n] + suffix[n] for n in series]
     rows = [[str(s), *(num(values[i]) for values in series.values())] for i, s in enumerate(steps)]
     emit(args, ["step", *columns], rows, data, left=(), names=None, split=True)
     if not args.json:
         from rich.cells import cell_len
 
-        out = console()
         for column, (name, values) in zip(columns, series.items()):
             log = name in tensors and args.stat in LOG_SCALE_STATS
             room = max(out.width - cell_len(column) - 2, MIN_SPARK)
@@ -110,6 +115,14 @@ def labels(names, tensors: set[str]) -> dict[str, str]:
         taken = Counter(label.values())
         label = {n: s if taken[s] == 1 else n for n, s in label.items()}
     return label
+
+
+def fitted_labels(label: dict[str, str], room: dict[str, int]) -> dict[str, str]:
+    """Each label in its ``room`` (:func:`.output.shorten_names`), unless two would then
+    read the same: then as they are (they wrap)."""
+    names = list(label)
+    short = dict(zip(names, shorten_names([label[n] for n in names], [room[n] for n in names], strip=False)))
+    return short if len(set(short.values())) == len(short) else label
 
 
 def plot_target(path: str) -> str:
