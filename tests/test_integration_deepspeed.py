@@ -389,6 +389,60 @@ def test_saving_after_resuming_an_older_tag_says_how_to_branch(one_process, tmp_
     checkpoints.close()
 
 
+KILLED_IN_COMMIT = """
+import os, signal, sys
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, sys.argv[3])
+import datastates_hist as dh
+from datastates_hist.integrations.deepspeed import HistoryCheckpointEngine
+from test_integration_deepspeed import save_tag
+engine = HistoryCheckpointEngine(sys.argv[1], keep=dh.KeepLast(1))
+save_tag(engine, sys.argv[2], 4)
+HistoryCheckpointEngine._write_pointer = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+save_tag(engine, sys.argv[2], 8)  # killed once step 8 is committed, before its pointers and `latest`
+"""
+
+
+def test_keep_holds_the_step_latest_names_until_deepspeed_can_resume_from_a_newer_one(tmp_path):
+    """A save SIGKILLed between the history's commit and DeepSpeed's `latest`: KeepLast(1)
+    alone would have removed step 4, the only one `latest` and the pointers can reach."""
+    run, save_dir = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    child = subprocess.run([sys.executable, "-c", KILLED_IN_COMMIT, run, save_dir, os.path.dirname(__file__)],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == -9, child.stderr
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step4"
+    assert os.listdir(tmp_path / "ckpt" / "global_step8") == []
+    checkpoints = HistoryCheckpointEngine(run, keep=dh.KeepLast(1))
+    assert checkpoints.checkpointer.steps() == [4, 8]
+    state = checkpoints.load(os.path.join(save_dir, "global_step4", "mp_rank_00_model_states.pt"))
+    assert state["module"]["w"].tolist() == [4.0, 4.0]
+    checkpoints.checkpointer.truncate(after=4)  # as the error of saving step 8 again says
+    save_tag(checkpoints, save_dir, 8)
+    assert checkpoints.checkpointer.steps() == [4, 8]  # `latest` named step 4 during the commit
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step8"  # written by the engine, whole
+    save_tag(checkpoints, save_dir, 12)
+    assert checkpoints.checkpointer.steps() == [8, 12]
+    checkpoints.close()
+
+
+def test_a_tag_saved_again_at_its_step_is_refused_without_advice_to_drop_every_step(tmp_path):
+    checkpoints = HistoryCheckpointEngine(str(tmp_path / "run"))
+    save_tag(checkpoints, tmp_path / "ckpt", 4)
+    with pytest.raises(StepOrderError) as err:
+        save_tag(checkpoints, tmp_path / "ckpt", 4, tag="final")
+    assert str(err.value) == (
+        f"DeepSpeed's tag 'final' is global step 4, but {tmp_path / 'run'} already holds step 4, its only step: "
+        "a history keeps one checkpoint per global step; save after training on")
+    with pytest.raises(StepOrderError) as err:
+        save_tag(checkpoints, tmp_path / "ckpt", 2)
+    assert str(err.value) == (
+        f"DeepSpeed's tag 'global_step2' is global step 2, but {tmp_path / 'run'} already holds step 4, and no "
+        "step before 2: load one of its checkpoints first (engine.load_checkpoint), or save this run into a new "
+        "history")
+    assert checkpoints.checkpointer.steps() == [4]
+    checkpoints.close()
+
+
 def run_example(*args):
     env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # the example finds a free one
     out = subprocess.run([sys.executable, TRAIN, "--steps", "12", "--save-every", "4", *args],

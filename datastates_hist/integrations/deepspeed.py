@@ -44,6 +44,7 @@ from ..checkpointer import Checkpointer
 from ..durable import fsync_path, rename_into_place
 from ..errors import CorruptionError, StepNotFoundError, StepOrderError
 from ..items import under
+from ..retention import Policy, check_policy
 from ..step_data import StepData
 from ..store import Store
 from ..values import check_nesting, decode
@@ -105,6 +106,11 @@ class HistoryCheckpointEngine(CheckpointEngine):
                              "DeepSpeed's own checkpoint engine")
         self.name = ENGINE_NAME
         self.run = os.fspath(run)
+        # DeepSpeed resumes from the tag its `latest` file names, which it moves only after
+        # commit() returns: retention keeps that tag's step until `latest` has moved on
+        self._latest = _KeepLatest()
+        if options.get("keep") is not None:
+            options["keep"] = check_policy(options["keep"]) | self._latest
         self.checkpointer = Checkpointer(self.run, **options)
         self._classes = _object_classes()
         self._names = {cls: name for name, cls in self._classes.items()}
@@ -156,11 +162,8 @@ class HistoryCheckpointEngine(CheckpointEngine):
         step = self._step_of(info.tag, files)
         committed = self.checkpointer.steps()
         if committed and step <= committed[-1]:
-            below = [s for s in committed if s < step]
-            raise StepOrderError(
-                f"DeepSpeed's tag {info.tag!r} is global step {step}, but {self.run} already holds step "
-                f"{committed[-1]}: steps only grow. To go on from an older checkpoint, drop the later steps "
-                f"first: checkpoint_engine.checkpointer.truncate(after={below[-1] if below else -1})")
+            raise StepOrderError(self._order_problem(info.tag, step, committed))
+        self._latest.step = self._latest_step(info.save_dir)
         model: dict = {}
         for name, state in files.items():
             if isinstance(state.get("module"), dict) and "global_steps" in state:
@@ -171,7 +174,39 @@ class HistoryCheckpointEngine(CheckpointEngine):
         self.checkpointer.wait()
         for name, path in paths.items():
             self._write_pointer(path, step, name, info.tag)
+        if info.save_latest:
+            # DeepSpeed writes `latest` next, in place (a kill midway leaves it empty); the
+            # engine writes it first, whole, so that it moves as soon as the step can be loaded
+            self._write_file(os.path.join(info.save_dir, "latest"), info.tag)
         return True
+
+    def _order_problem(self, tag: str, step: int, committed: list[int]) -> str:
+        said = f"DeepSpeed's tag {tag!r} is global step {step}, but {self.run} already holds step {committed[-1]}"
+        below = [s for s in committed if s < step]
+        if below:
+            return (f"{said}: steps only grow. To go on from an older checkpoint, drop the later steps first: "
+                    f"checkpoint_engine.checkpointer.truncate(after={below[-1]})")
+        if step == committed[-1]:  # never advise truncate(after=-1): it drops every step
+            return f"{said}, its only step: a history keeps one checkpoint per global step; save after training on"
+        return (f"{said}, and no step before {step}: load one of its checkpoints first "
+                "(engine.load_checkpoint), or save this run into a new history")
+
+    def _latest_step(self, save_dir: str) -> int | None:
+        """The step of the tag DeepSpeed's ``SAVE_DIR/latest`` names (read from its pointers),
+        or None: no such file, or no pointer of this history under it."""
+        try:
+            with open(os.path.join(save_dir, "latest"), encoding="utf-8") as f:
+                tag = f.read(4096).strip()
+            folder = os.path.join(save_dir, tag)
+            names = sorted(os.listdir(folder)) if tag and os.path.isdir(folder) else []
+        except (OSError, UnicodeDecodeError):
+            return None
+        for name in names:
+            try:
+                return self._read_pointer(os.path.join(folder, name))[0]
+            except (OSError, ValueError):  # a folder, another engine's file, another history's pointer
+                continue
+        return None
 
     def _step_of(self, tag: str, files: dict[str, dict]) -> int:
         for state in files.values():
@@ -184,9 +219,14 @@ class HistoryCheckpointEngine(CheckpointEngine):
     def _write_pointer(self, path: str, step: int, name: str, tag: str) -> None:
         pointer = {"format": POINTER_FORMAT, "version": POINTER_VERSION, "step": step, "file": name, "tag": tag,
                    "run": os.path.relpath(os.path.abspath(self.run), os.path.dirname(path))}
+        self._write_file(path, json.dumps(pointer))
+
+    @staticmethod
+    def _write_file(path: str, text: str) -> None:
+        """``path`` replaced by one holding ``text``, durably: a kill leaves the old or the new."""
         tmp = f"{path}.partial"
         with open(tmp, "w") as f:
-            json.dump(pointer, f)
+            f.write(text)
         fsync_path(tmp)
         rename_into_place(tmp, path)
 
@@ -371,6 +411,19 @@ def _tensors_mapped(value: Any, change) -> Any:
     if isinstance(value, tuple) and not isinstance(value, torch.Size):
         return tuple(_tensors_mapped(v, change) for v in value)
     return value
+
+
+class _KeepLatest(Policy):
+    """Keeps ``step``: the step of the tag DeepSpeed's ``latest`` file names."""
+
+    def __init__(self):
+        self.step: int | None = None
+
+    def keep(self, steps: list[int]) -> set[int]:
+        return {self.step} if self.step is not None else set()
+
+    def keeps_for_good(self, step: int) -> bool:
+        return False
 
 
 def attach(engine: Any, run: str | os.PathLike, **options: Any) -> HistoryCheckpointEngine:
