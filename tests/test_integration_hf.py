@@ -194,6 +194,63 @@ def test_a_new_run_on_a_used_history_is_refused(tmp_path, two_steps, train_hf, t
         "directory")
 
 
+def test_a_callback_dropped_unused_holds_no_lock_and_one_added_twice_is_refused(tmp_path, train_hf, text):
+    from datastates_hist.integrations.transformers import HistoryCallback
+
+    run_dir = str(tmp_path / "run")
+    args = train_hf.build_parser().parse_args(["--run-dir", run_dir, "--text", text, *TRAIN, "--no-history"])
+    trainer, _ = train_hf.build_trainer(args)
+    history = HistoryCallback(run_dir)
+    history = HistoryCallback(run_dir)  # a notebook cell run again: the first callback is dropped, never closed
+    trainer.add_callback(history)
+    trainer.add_callback(history)
+    with pytest.raises(ValueError) as err:
+        trainer.train()
+    history.close()
+    assert str(err.value) == f"the HistoryCallback of {run_dir} is in the Trainer's callbacks twice; add it once"
+    assert not os.listdir(os.path.join(run_dir, "steps"))
+
+
+def test_a_train_that_raised_is_resumed_in_the_same_process_without_closing(tmp_path, train_hf, text):
+    """The steps the failed train() left being written are committed before the resume looks
+    for the newest (a commit slowed to make them still be in flight)."""
+    from transformers import TrainerCallback
+
+    import datastates_hist.commit as commit
+
+    class FailOnce(TrainerCallback):
+        fired = False
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3 and not FailOnce.fired:
+                FailOnce.fired = True
+                raise RuntimeError("a transient failure")
+
+    slow, committing = commit.Committer.commit, []
+
+    def slowed(self, *args, **kwargs):
+        committing.append(1)
+        time.sleep(0.3)
+        return slow(self, *args, **kwargs)
+
+    run_dir = str(tmp_path / "run")
+    args = train_hf.build_parser().parse_args(["--run-dir", run_dir, "--text", text, *TRAIN, "--steps", "5"])
+    trainer, history = train_hf.build_trainer(args, callbacks=[FailOnce()])
+    commit.Committer.commit = slowed
+    try:
+        assert history.resume_from_checkpoint(trainer) is None
+        with pytest.raises(RuntimeError, match="a transient failure"):
+            trainer.train()
+        assert history.resume_from_checkpoint(trainer) is not None
+        assert history.resumed_from == 2  # step 3 is written as step 4 begins
+        trainer.train(resume_from_checkpoint=history.resume_from_checkpoint(trainer))
+    finally:
+        commit.Committer.commit = slow
+        history.close()
+    with dh.open(run_dir) as h:
+        assert h.steps == [0, 1, 2, 3, 4, 5]
+
+
 def test_a_resume_not_passed_to_train_is_refused(two_steps, train_hf, text):
     run_dir, _ = two_steps
     trainer, history = trainer_of(train_hf, run_dir, text, steps=3)

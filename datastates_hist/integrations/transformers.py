@@ -76,7 +76,12 @@ class HistoryCallback(TrainerCallback):
     def __init__(self, path: str | os.PathLike, **options: Any):
         self.path = os.fspath(path)
         self.options = options
-        self.checkpointer: Checkpointer | None = Checkpointer(self.path, **options)
+        # opened here for its checks (and the run directory), then closed: the history is
+        # written only inside train(), so a callback dropped unused (a notebook cell run
+        # again) holds no lock on it
+        Checkpointer(self.path, **options).close()
+        self.checkpointer: Checkpointer | None = None
+        self._began: TrainerState | None = None  # the state of the train() under way
         self.resumed_from: int | None = None  # the step the last resume_from_checkpoint() found
         self.finished = False  # that step is at the Trainer's max_steps: nothing is left to train
         self._trainer = None
@@ -109,6 +114,7 @@ class HistoryCallback(TrainerCallback):
         resume_dir = os.path.join(trainer.args.output_dir, ".datastates-resume-" + hashlib.sha256(
             os.path.realpath(self.path).encode()).hexdigest()[:16])
         shutil.rmtree(resume_dir, ignore_errors=True)
+        ckpt.wait()  # a train() of this process that stopped may have left steps being written
         if not ckpt.steps():
             return None
         restored = ckpt.restore(model=trainer.model, rng=False)
@@ -139,8 +145,12 @@ class HistoryCallback(TrainerCallback):
         if args.world_size > 1:
             raise ValueError(f"HistoryCallback writes the history of one process; this Trainer runs "
                              f"{args.world_size} processes")
+        if state is self._began:  # every event of this train() would come twice
+            raise ValueError(f"the HistoryCallback of {self.path} is in the Trainer's callbacks twice; add it once")
+        self._began = state
         ckpt = self._open()
         self._remove_resume_dir()  # Trainer has read it
+        ckpt.wait()
         steps = ckpt.steps()
         if self._resuming:
             self._resuming = False  # a later train() starts anew unless resumed again
