@@ -396,6 +396,23 @@ def test_a_save_after_fit_at_the_same_step(tmp_path):
         assert ckpt.steps() == [1, 2]
 
 
+def test_a_fit_from_before_the_newest_step_is_refused_before_it_trains(tmp_path):
+    run = str(tmp_path / "run")
+    fit_wide(Wide(), HistoryCheckpoint(run), tmp_path, max_steps=3)
+    module = Wide()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(dh.StepOrderError) as err:
+        fit_wide(module, HistoryCheckpoint(run), tmp_path, max_steps=6)  # no ckpt_path: from step 0
+    assert str(err.value) == (
+        f"{run} already holds steps up to 3 and the fit starts at trainer.global_step 0: resume with "
+        "trainer.fit(..., ckpt_path=history.resume_path()), or write to a new directory (to branch from an "
+        "earlier step, call history.checkpoint_io.checkpointer.truncate(after=...) first)")
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())  # no update trained
+    history = HistoryCheckpoint(run)
+    fit_wide(Wide(), history, tmp_path, max_steps=6, ckpt_path=history.resume_path())
+    assert committed(run) == [1, 2, 3, 4, 5, 6]
+
+
 def test_resume_path_names_the_restore_points(tmp_path):
     run = str(tmp_path / "run")
     history = HistoryCheckpoint(run)
