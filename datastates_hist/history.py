@@ -19,7 +19,7 @@ import torch
 from .dtypes import storage_torch_dtype
 from .errors import StepNotFoundError
 from .index import STAT_KEYS, TENSOR_STATS
-from .items import MODEL_PREFIX, matches
+from .items import MODEL_PREFIX, matches, selected
 from .layout import asked_step, count_of, run_path
 from .scalars import close_hint, matches_scalar, resolve_scalar, scalars_of
 from .step_data import StepData
@@ -385,11 +385,11 @@ def name_list(names: Any, what: str = "names") -> list[str]:
     return listed
 
 
-def compared(name: str, patterns: list[str] | None) -> bool:
-    """Whether a diff compares tensor ``name`` (given ``--names`` ``patterns``, or None)."""
-    if patterns is None:  # RNG states change every step and say nothing about the model
+def compared(name: str, chosen: set[str] | None) -> bool:
+    """Whether a diff compares tensor ``name`` (the tensors ``--names`` chose, or None)."""
+    if chosen is None:  # RNG states change every step and say nothing about the model
         return not name.startswith("rng/")
-    return matches(name, patterns)
+    return name in chosen
 
 
 def diff_steps(ha: History, a: int, hb: History, b: int, names=None):
@@ -403,7 +403,9 @@ def diff_steps(ha: History, a: int, hb: History, b: int, names=None):
     ra = {r.name: r for r in ha.store.records(a)}
     rb = {r.name: r for r in hb.store.records(b)}
     rows = []
-    for name in [n for n in ra if n in rb and compared(n, patterns)]:
+    both = [n for n in ra if n in rb]
+    chosen = None if patterns is None else {n for found in selected(both, patterns).values() for n in found}
+    for name in [n for n in both if compared(n, chosen)]:
         if ra[name].shape != rb[name].shape:
             rows.append({"name": name, "shape": ra[name].shape, "integral": False,  # not compared
                          "note": f"shape {list(ra[name].shape)} -> {list(rb[name].shape)}",

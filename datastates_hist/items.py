@@ -49,6 +49,14 @@ def matches(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(short, p) for p in patterns)
 
 
+def selected(names: list[str], patterns: list[str]) -> dict[str, list[str]]:
+    """``{pattern: the names of names it selects}``: a pattern that is one of the names
+    (stored, or its :func:`short_name`) selects that name alone, even where it holds glob
+    characters (``a[0]`` is the tensor ``a[0]``, not ``a0``); any other is a glob."""
+    by_name = {n: n for n in names} | {short_name(n): n for n in names if short_name(n) not in names}
+    return {p: [by_name[p]] if p in by_name else [n for n in names if matches(n, [p])] for p in patterns}
+
+
 @dataclass
 class TensorItem:
     """One tensor to store under ``name``.

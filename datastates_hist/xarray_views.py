@@ -36,7 +36,7 @@ from xarray.core import indexing
 
 from .dtypes import torch_dtype
 from .errors import CorruptionError, ShapeChangeError, StepNotFoundError
-from .items import TensorRecord, matches
+from .items import TensorRecord, selected
 from .layout import asked_step
 from .scalars import matches_scalar
 
@@ -345,9 +345,11 @@ def open_history_dataset(history, names: str | Iterable[str] | None = None,
     drop = set(drop_variables)
     chosen = select_steps(history, steps)
     variables, inconsistent, partial, details = {}, [], [], []
-    for name, per_step in _layout(history, chosen).items():
+    layout = _layout(history, chosen)
+    wanted = None if patterns is None else {n for found in selected(list(layout), patterns).values() for n in found}
+    for name, per_step in layout.items():
         safe = variable_name(name)
-        if patterns is not None and not matches(name, patterns) or name in drop or safe in drop:
+        if wanted is not None and name not in wanted or name in drop or safe in drop:
             continue
         changes = _changes(per_step)
         if changes:

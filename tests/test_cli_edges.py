@@ -329,6 +329,29 @@ def test_a_name_holding_brackets_is_printed_as_written(tmp_path):
     assert out.stdout.splitlines()[-2] == "acc[top1]: ▁▅█"
 
 
+def test_a_tensor_name_holding_brackets_selects_that_tensor_not_what_its_glob_matches(tmp_path):
+    """`a[0]` is the glob of `a0`; where a tensor is named `a[0]`, it is that tensor (as trace
+    takes it); a glob that names no tensor still matches as a glob."""
+    run = tmp_path / "run"
+    model = torch.nn.Module()
+    with dh.Checkpointer(run) as ckpt:
+        for step in range(2):
+            model.register_buffer("a[0]", torch.ones(2) * (step + 1))
+            model.register_buffer("a0", torch.zeros(3))
+            ckpt.write(step, model)
+    show = cli("show", run, "1", "--names", "a[0]", "--json")
+    assert [r["name"] for r in json.loads(show.stdout)] == ["model/a[0]"]
+    diff = cli("diff", run, "0", "1", "--names", "a[0]", "--json")
+    assert [(r["name"], r["l2"]) for r in json.loads(diff.stdout)] == [("model/a[0]", math.sqrt(2))]
+    glob = cli("show", run, "1", "--names", "a[0-9]", "--json")
+    assert [r["name"] for r in json.loads(glob.stdout)] == ["model/a0"]
+    import xarray as xr
+
+    with xr.open_dataset(run, engine="datastates", names="a[0]") as ds:
+        assert list(ds.data_vars) == ["model.a[0]"]
+        assert ds["model.a[0]"].values.tolist() == [[1.0, 1.0], [2.0, 2.0]]
+
+
 def test_diff_of_a_step_with_itself_says_so(run):
     out = cli("diff", run, "1", "1")
     assert out.returncode == 0 and out.stderr == "(step 1 compared with itself: nothing changed)\n"

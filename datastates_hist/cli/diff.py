@@ -125,8 +125,12 @@ def say_what_one_step_alone_holds(names_a: set[str], names_b: set[str], a: int, 
     """A line on stderr for the tensors that one step holds and the other not (a trajectory
     point keeps only the trajectory's): left out of the comparison, not unchanged."""
     from ..history import compared
+    from ..items import selected
 
-    only = [(len([n for n in mine - theirs if compared(n, patterns)]), step)
+    def chosen(names: set[str]) -> set[str] | None:
+        return None if patterns is None else {n for found in selected(sorted(names), patterns).values() for n in found}
+
+    only = [(len([n for n in mine - theirs if compared(n, chosen(mine))]), step)
             for mine, theirs, step in ((names_a, names_b, a), (names_b, names_a, b))]
     parts = [f"{n} tensor{'s' if n > 1 else ''} only in step {step}" for n, step in only if n]
     if parts:

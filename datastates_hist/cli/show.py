@@ -28,7 +28,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from ..items import matches
+    from ..items import selected
     from ..store import Store
 
     store = Store(args.run)
@@ -38,10 +38,12 @@ def run(args) -> int:
     finally:
         store.close()
     if args.names:
-        unmatched = [glob for glob in args.names if not any(matches(r.name, [glob]) for r in records)]
+        chosen = selected([r.name for r in records], args.names)
+        unmatched = [glob for glob, found in chosen.items() if not found]
         if unmatched:
             raise KeyError(f"no tensor of step {step} of {args.run} matches {', '.join(unmatched)}")
-        records = [r for r in records if matches(r.name, args.names)]
+        wanted = {name for found in chosen.values() for name in found}
+        records = [r for r in records if r.name in wanted]
     data = [{"name": r.name, "shape": list(r.shape), "dtype": r.dtype, "nbytes": r.nbytes,
              "encoding": r.encoding, "base": r.base, "stored": stored(r), "update_ratio": r.update_ratio,
              "checksum": r.checksum, "keep_bits": r.keep_bits, "bound": r.bound,
