@@ -3,9 +3,11 @@ records are compressed is read bit-exact (not mapped), a damaged pickle is one l
 naming the file, a transformers folder's JSON of the wrong shape is refused by name,
 and a crafted DCP folder costs neither quadratic time nor memory of its claimed size."""
 
+import dataclasses
 import json
 import os
 import pickle
+import re
 import warnings
 import zipfile
 
@@ -160,6 +162,26 @@ def test_values_the_store_cannot_hold_are_refused_by_write(tmp_path):
         assert h.scalars().loc[1, "extra/data/small"] == float("-inf")
     with dh.Checkpointer(tmp_path / "run") as ckpt:
         assert ckpt.restore(1, model).extra["data"] == {"big": 10 ** 400, "small": -(10 ** 400)}
+
+
+def test_dcp_storage_entries_sharing_bytes_are_refused(tmp_path, capsys):
+    """An entry moved onto another tensor's bytes: DCP would load 'model.b' from 'model.w''s
+    serialized tensor (its first values)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    folder = dcp_folder(tmp_path / "dcp_7", {"model": {"w": torch.arange(8.0), "b": torch.ones(2)}})
+
+    def shared(metadata):
+        w = metadata.storage_data[MetadataIndex("model.w", (0,))]
+        b = MetadataIndex("model.b", (0,))
+        metadata.storage_data[b] = dataclasses.replace(metadata.storage_data[b], offset=w.offset, length=w.length)
+    edit_metadata(folder, shared)
+    code, out, err = cli(capsys, "import", tmp_path / "run", folder)
+    assert (code, out) == (EXIT_USAGE, "")
+    assert re.fullmatch(rf"datastates-hist: cannot import {re.escape(str(folder))}: the storage entries of "
+                        r"'model\.(w|b)' and 'model\.(w|b)' read the same bytes of '[^']+\.distcp': one's bytes "
+                        r"would be loaded as the other's\n", err), err
+    assert not (tmp_path / "run").exists()
 
 
 def test_an_import_refused_by_the_target_folder_leaves_it_as_it_was(tmp_path, capsys):

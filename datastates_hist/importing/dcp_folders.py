@@ -95,6 +95,7 @@ def read_dcp(folder: str) -> dict:
     check_storage(folder, metadata)
     flat = _empty_state_dict(folder, metadata)
     paths = _planner_paths(folder, metadata, flat)
+    check_entries_apart(folder, metadata)
     reader, planner = _safe_dcp_reader(folder, metadata)
     try:
         with warnings.catch_warnings():  # DCP warns that it runs without a process group: so it should
@@ -163,6 +164,27 @@ def check_storage(folder: str, metadata) -> None:
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (offset, length)) \
                 or offset + length > sizes[path]:
             raise ValueError(f"{where} reads bytes {offset!r}+{length!r} of {path!r}, which holds {sizes[path]}")
+
+
+def check_entries_apart(folder: str, metadata) -> None:
+    """Refuse storage entries that read bytes another entry reads (DCP's writer gives every
+    item bytes of its own): one item would be loaded from another's bytes. (After the
+    checks of sizes, which a crafted entry reading another's bytes must pass too.)"""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    spans: dict[str, list[tuple[int, int, str]]] = {}  # path -> (offset, end, fqn) of the entries read
+    for fqn, meta in metadata.state_dict_metadata.items():
+        keys = [MetadataIndex(fqn)] if isinstance(meta, BytesStorageMetadata) else [
+            MetadataIndex(fqn, chunk.offsets) for chunk in meta.chunks]
+        for info in filter(None, map(metadata.storage_data.get, keys)):  # an entry no item reads is never read
+            if info.length:
+                spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length, fqn))
+    for path, entries in spans.items():
+        entries.sort(key=lambda e: e[:2])
+        for (_, end, first), (start, _, second) in zip(entries, entries[1:]):
+            if start < end:
+                raise ValueError(f"cannot import {folder}: the storage entries of {first!r} and {second!r} read the "
+                                 f"same bytes of {path!r}: one's bytes would be loaded as the other's")
 
 
 def _empty_state_dict(folder: str, metadata) -> dict:
