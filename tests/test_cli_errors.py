@@ -128,6 +128,13 @@ def test_errors_are_one_line_with_their_exit_code(tmp_path, run_dir, args, code,
     assert out.stderr.strip().splitlines()[-1] == message.format(**fill) and "Traceback" not in out.stderr
 
 
+def test_the_newest_step_of_a_run_without_steps_is_named_as_missing(run_dir):
+    dh.Checkpointer(run_dir).close()
+    for step in ("latest", "-2"):
+        out = cli("show", run_dir, step)
+        assert (out.returncode, out.stderr) == (3, f"datastates-hist: {run_dir} has no committed steps\n")
+
+
 def test_output_to_a_closed_pipe_ends_quietly(run_dir):
     committed_run(run_dir)
     read_end, write_end = os.pipe()

@@ -51,7 +51,7 @@ def test_verify_takes_latest_and_negative_steps(run):
     nbytes = json.loads(cli("verify", run, "2", "--json").stdout)["bytes"]
     out = cli("verify", run, "latest")
     assert (out.returncode, out.stderr) == (0, "")
-    assert out.stdout == f"verified 1 steps, 5 tensors, {size(nbytes)} of {run}: every checksum matches\n"
+    assert out.stdout == f"verified 1 step, 5 tensors, {size(nbytes)} of {run}: every checksum matches\n"
 
 
 @pytest.mark.parametrize("step", ["7", "-4"])

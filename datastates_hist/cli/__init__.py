@@ -92,6 +92,8 @@ def resolve_step(store, step: int) -> int:
     """The committed step that ``step`` (from :func:`step_choice`) names in ``store``."""
     if step < 0:
         steps = store.steps()
+        if not steps:
+            store.latest()  # raises StepNotFoundError: the run has no committed steps
         if -step > len(steps):
             store.row(step)  # raises StepNotFoundError, naming the committed steps
         step = steps[step]

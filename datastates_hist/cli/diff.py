@@ -25,7 +25,7 @@ from argparse import ArgumentTypeError
 
 from ..items import under
 from . import add_command, count, resolve_step, step_choice
-from .output import add_json_flag, emit
+from .output import add_json_flag, counted, emit
 
 METRICS = ("l2", "rel_l2", "max_abs", "cosine", "frac_changed")
 # how each metric puts the most changed first: cosine is 1 for an unchanged direction
@@ -132,7 +132,7 @@ def say_what_one_step_alone_holds(names_a: set[str], names_b: set[str], a: int, 
 
     only = [(len([n for n in mine - theirs if compared(n, chosen(mine))]), step)
             for mine, theirs, step in ((names_a, names_b, a), (names_b, names_a, b))]
-    parts = [f"{n} tensor{'s' if n > 1 else ''} only in step {step}" for n, step in only if n]
+    parts = [f"{counted(n, 'tensor')} only in step {step}" for n, step in only if n]
     if parts:
         print(f"({', '.join(parts)}: not compared)", file=sys.stderr)
 

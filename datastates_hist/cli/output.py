@@ -203,6 +203,11 @@ def _jsonable(x: Any) -> Any:
     raise TypeError(f"cannot print {type(x).__name__} as JSON")
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1 (``1 step``, ``3 steps``)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def when(t: float) -> str:
     return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from . import EXIT_FAILED, STEP_HELP, add_command, resolve_step, step_choice
-from .output import add_json_flag, emit, size
+from .output import add_json_flag, counted, emit, size
 
 
 def add_parser(sub):
@@ -60,7 +60,7 @@ def run(args) -> int:
         print(f"{len(problems)} problem(s) in {len({p.step for p in problems})} of "
               f"{summary['steps']} steps of {args.run}", file=sys.stderr)
     else:
-        print(f"verified {summary['steps']} steps, {summary['tensors']} tensors, "
+        print(f"verified {counted(summary['steps'], 'step')}, {counted(summary['tensors'], 'tensor')}, "
               f"{size(summary['bytes'])} of {args.run}: every checksum matches")
     return EXIT_FAILED if problems else 0
 
