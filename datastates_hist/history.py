@@ -404,7 +404,8 @@ def diff_steps(ha: History, a: int, hb: History, b: int, names=None):
     rb = {r.name: r for r in hb.store.records(b)}
     rows = []
     both = [n for n in ra if n in rb]
-    chosen = None if patterns is None else {n for found in selected(both, patterns).values() for n in found}
+    chosen = None if patterns is None else {  # a name that one step alone holds is still a name
+        n for found in selected(list(dict.fromkeys([*ra, *rb])), patterns).values() for n in found}
     for name in [n for n in both if compared(n, chosen)]:
         if ra[name].shape != rb[name].shape:
             rows.append({"name": name, "shape": ra[name].shape, "integral": False,  # not compared

@@ -251,7 +251,7 @@ class TensorRecord:
             dims = getattr(self, what)
             why = None if dims is None else too_big_for_numpy(dims, itemsize)
             if why:
-                raise ValueError(f"tensor {name!r} has {what if what != 'shape' else 'the'} {why}")
+                raise ValueError(f"tensor {name!r} has the {why if what == 'shape' else 'global ' + why}")
         expected = math.prod(self.shape) * itemsize
         if not _is_int(self.nbytes) or self.nbytes != expected:
             raise ValueError(f"tensor {name!r} declares shape {list(self.shape)} of {self.dtype}, which is "

@@ -274,7 +274,7 @@ class StepData:
         for part in {r.part for r in raw}:  # one batch per unit
             self._prefetch([r for r in raw if r.part == part], into, self.readers[part])
         # a rounded tensor with its low bits is read alone (read()), from both units
-        self._prefetchencoded_as([r for r in wanted if r.encoding != "raw" and not r.has_low_bits], into, bases)
+        self._prefetch_encoded([r for r in wanted if r.encoding != "raw" and not r.has_low_bits], into, bases)
 
     def _prefetch(self, wanted: list[TensorRecord], into: dict, reader: StepReader) -> None:
         outs = [self._live_destination(r, into.get(r.name)) for r in wanted]
@@ -292,7 +292,7 @@ class StepData:
                 self._check(rec, out, rec.checksum)
             self._prefetched[rec.name] = out
 
-    def _prefetchencoded_as(self, wanted: list[TensorRecord], into: dict, bases: dict | None = None) -> None:
+    def _prefetch_encoded(self, wanted: list[TensorRecord], into: dict, bases: dict | None = None) -> None:
         """Encoded tensors: their stored bytes read in batches (per unit, of at most
         :data:`BATCH_BYTES`), then each decoded straight into its destination (a tensor of
         ``into``, or fresh memory); a predicted delta after the tensor it is predicted from

@@ -339,15 +339,20 @@ def test_a_tensor_name_holding_brackets_selects_that_tensor_not_what_its_glob_ma
             model.register_buffer("a[0]", torch.ones(2) * (step + 1))
             model.register_buffer("a0", torch.zeros(3))
             ckpt.write(step, model)
+        del model._buffers["a[0]"]
+        ckpt.write(2, model)  # step 2 holds a0 alone: 'a[0]' still names the tensor, not a0
     show = cli("show", run, "1", "--names", "a[0]", "--json")
     assert [r["name"] for r in json.loads(show.stdout)] == ["model/a[0]"]
     diff = cli("diff", run, "0", "1", "--names", "a[0]", "--json")
     assert [(r["name"], r["l2"]) for r in json.loads(diff.stdout)] == [("model/a[0]", math.sqrt(2))]
+    alone = cli("diff", run, "1", "2", "--names", "a[0]")
+    assert (alone.returncode, alone.stdout) == (EXIT_MISSING, "")
+    assert last_line(alone) == "datastates-hist: no tensor matches a[0] in both steps"
     glob = cli("show", run, "1", "--names", "a[0-9]", "--json")
     assert [r["name"] for r in json.loads(glob.stdout)] == ["model/a0"]
     import xarray as xr
 
-    with xr.open_dataset(run, engine="datastates", names="a[0]") as ds:
+    with xr.open_dataset(run, engine="datastates", names="a[0]", steps=[0, 1]) as ds:
         assert list(ds.data_vars) == ["model.a[0]"]
         assert ds["model.a[0]"].values.tolist() == [[1.0, 1.0], [2.0, 2.0]]
 

@@ -397,19 +397,26 @@ import datastates_hist as dh
 from datastates_hist.integrations.deepspeed import HistoryCheckpointEngine
 from test_integration_deepspeed import save_tag
 engine = HistoryCheckpointEngine(sys.argv[1], keep=dh.KeepLast(1))
-save_tag(engine, sys.argv[2], 4)
+*before, last = map(int, sys.argv[4].split(","))
+for step in before:
+    save_tag(engine, sys.argv[2], step)
 HistoryCheckpointEngine._write_pointer = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
-save_tag(engine, sys.argv[2], 8)  # killed once step 8 is committed, before its pointers and `latest`
+save_tag(engine, sys.argv[2], last)  # killed once the step is committed, before its pointers and `latest`
 """
+
+
+def killed_in_commit(tmp_path, steps):
+    run, save_dir = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    child = subprocess.run([sys.executable, "-c", KILLED_IN_COMMIT, run, save_dir, os.path.dirname(__file__), steps],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == -9, child.stderr
+    return run, save_dir
 
 
 def test_keep_holds_the_step_latest_names_until_deepspeed_can_resume_from_a_newer_one(tmp_path):
     """A save SIGKILLed between the history's commit and DeepSpeed's `latest`: KeepLast(1)
     alone would have removed step 4, the only one `latest` and the pointers can reach."""
-    run, save_dir = str(tmp_path / "run"), str(tmp_path / "ckpt")
-    child = subprocess.run([sys.executable, "-c", KILLED_IN_COMMIT, run, save_dir, os.path.dirname(__file__)],
-                           capture_output=True, text=True, timeout=300)
-    assert child.returncode == -9, child.stderr
+    run, save_dir = killed_in_commit(tmp_path, "4,8")
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step4"
     assert os.listdir(tmp_path / "ckpt" / "global_step8") == []
     checkpoints = HistoryCheckpointEngine(run, keep=dh.KeepLast(1))
@@ -422,6 +429,23 @@ def test_keep_holds_the_step_latest_names_until_deepspeed_can_resume_from_a_newe
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step8"  # written by the engine, whole
     save_tag(checkpoints, save_dir, 12)
     assert checkpoints.checkpointer.steps() == [8, 12]
+    checkpoints.close()
+
+
+def test_a_first_save_killed_before_its_pointers_is_named_and_replaced_once_dropped(tmp_path):
+    run, save_dir = killed_in_commit(tmp_path, "4")
+    assert not (tmp_path / "ckpt" / "latest").exists()
+    checkpoints = HistoryCheckpointEngine(run)
+    with pytest.raises(StepOrderError) as err:
+        save_tag(checkpoints, save_dir, 4)  # the run again, from the start, as DeepSpeed finds no `latest`
+    assert str(err.value) == (
+        f"DeepSpeed's tag 'global_step4' is global step 4, but {run} already holds step 4, its only step, which "
+        "DeepSpeed cannot load (no HistoryCheckpointEngine pointer in the tag that SAVE_DIR/latest names): left "
+        "from a save that was killed, it is replaced by this one once dropped: "
+        "checkpoint_engine.checkpointer.truncate(after=-1)")
+    checkpoints.checkpointer.truncate(after=-1)
+    path = save_tag(checkpoints, save_dir, 4)
+    assert checkpoints.load(path)["module"]["w"].tolist() == [4.0, 4.0]
     checkpoints.close()
 
 

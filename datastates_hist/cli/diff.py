@@ -127,10 +127,9 @@ def say_what_one_step_alone_holds(names_a: set[str], names_b: set[str], a: int, 
     from ..history import compared
     from ..items import selected
 
-    def chosen(names: set[str]) -> set[str] | None:
-        return None if patterns is None else {n for found in selected(sorted(names), patterns).values() for n in found}
-
-    only = [(len([n for n in mine - theirs if compared(n, chosen(mine))]), step)
+    chosen = None if patterns is None else {
+        n for found in selected(sorted(names_a | names_b), patterns).values() for n in found}
+    only = [(len([n for n in mine - theirs if compared(n, chosen)]), step)
             for mine, theirs, step in ((names_a, names_b, a), (names_b, names_a, b))]
     parts = [f"{counted(n, 'tensor')} only in step {step}" for n, step in only if n]
     if parts:

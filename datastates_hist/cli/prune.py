@@ -56,7 +56,8 @@ def run(args) -> int:
                             "bases": bases})
         return 0
     verb, freeing = ("would delete", "would free") if args.dry_run else ("deleted", "freed")
-    listed = f"; {freeing} {size(nbytes)} (steps {_spans(removed, kept)})" if removed else ""
+    listed = f"; {freeing} {size(nbytes)} ({'step' if len(removed) == 1 else 'steps'} {_spans(removed, kept)})" \
+        if removed else ""
     print(f"{verb} {counted(len(removed), 'step')}; {len(kept)} kept{listed}")
     if bases:
         others = sorted(set(removed + kept) - set(bases))

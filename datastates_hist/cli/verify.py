@@ -58,7 +58,7 @@ def run(args) -> int:
              [[str(p.step), p.tensor or "(whole step)", p.message] for p in problems], None,
              left=("tensor", "problem"), wrap="problem", names="tensor")
         print(f"{len(problems)} problem(s) in {len({p.step for p in problems})} of "
-              f"{summary['steps']} steps of {args.run}", file=sys.stderr)
+              f"{counted(summary['steps'], 'step')} of {args.run}", file=sys.stderr)
     else:
         print(f"verified {counted(summary['steps'], 'step')}, {counted(summary['tensors'], 'tensor')}, "
               f"{size(summary['bytes'])} of {args.run}: every checksum matches")

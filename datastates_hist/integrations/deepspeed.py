@@ -161,9 +161,10 @@ class HistoryCheckpointEngine(CheckpointEngine):
         self._files, self._paths, self._info = {}, {}, None
         step = self._step_of(info.tag, files)
         committed = self.checkpointer.steps()
+        latest = self._latest_step(info.save_dir)
         if committed and step <= committed[-1]:
-            raise StepOrderError(self._order_problem(info.tag, step, committed))
-        self._latest.step = self._latest_step(info.save_dir)
+            raise StepOrderError(self._order_problem(info.tag, step, committed, latest))
+        self._latest.step = latest
         model: dict = {}
         for name, state in files.items():
             if isinstance(state.get("module"), dict) and "global_steps" in state:
@@ -180,13 +181,17 @@ class HistoryCheckpointEngine(CheckpointEngine):
             self._write_file(os.path.join(info.save_dir, "latest"), info.tag)
         return True
 
-    def _order_problem(self, tag: str, step: int, committed: list[int]) -> str:
+    def _order_problem(self, tag: str, step: int, committed: list[int], latest: int | None) -> str:
         said = f"DeepSpeed's tag {tag!r} is global step {step}, but {self.run} already holds step {committed[-1]}"
         below = [s for s in committed if s < step]
         if below:
             return (f"{said}: steps only grow. To go on from an older checkpoint, drop the later steps first: "
                     f"checkpoint_engine.checkpointer.truncate(after={below[-1]})")
-        if step == committed[-1]:  # never advise truncate(after=-1): it drops every step
+        if step == committed[-1] and latest is None:  # a first save killed before its pointers
+            return (f"{said}, its only step, which DeepSpeed cannot load (no {ENGINE_NAME} pointer in the tag "
+                    "that SAVE_DIR/latest names): left from a save that was killed, it is replaced by this one "
+                    "once dropped: checkpoint_engine.checkpointer.truncate(after=-1)")
+        if step == committed[-1]:
             return f"{said}, its only step: a history keeps one checkpoint per global step; save after training on"
         return (f"{said}, and no step before {step}: load one of its checkpoints first "
                 "(engine.load_checkpoint), or save this run into a new history")

@@ -307,19 +307,24 @@ class HistoryCheckpoint(Checkpoint):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._last_global_step = trainer.global_step
-        checkpointer = self.checkpoint_io.checkpointer
-        checkpointer.wait()  # a fit of this process that raised may have left steps being written
-        steps = checkpointer.steps()
-        if steps and steps[-1] > trainer.global_step:  # refused now, not at the first save
-            raise StepOrderError(
-                f"{self.checkpoint_io.path} already holds steps up to {steps[-1]} and the fit starts at "
-                f"trainer.global_step {trainer.global_step}: resume with trainer.fit(..., "
-                "ckpt_path=history.resume_path()), or write to a new directory (to branch from an earlier "
-                "step, call history.checkpoint_io.checkpointer.truncate(after=...) first)")
         # here, not in setup: configure_model() builds the model after setup
         params = {name for name, _ in pl_module.named_parameters(remove_duplicate=False)}
         # buffers (BatchNorm statistics) change in forward: their copy must be done before it
         self._waits_before_batch = any(name not in params for name in pl_module.state_dict())
+        if trainer.world_size == 1:  # several: rank 0 alone writes, at its saves, and only it opens the history
+            self._check_order(trainer.global_step)
+
+    def _check_order(self, global_step: int) -> None:
+        """Refuse a fit that starts before the history's newest step now, not at its first save."""
+        checkpointer = self.checkpoint_io.checkpointer
+        checkpointer.wait()  # a fit of this process that raised may have left steps being written
+        steps = checkpointer.steps()
+        if steps and steps[-1] > global_step:
+            raise StepOrderError(
+                f"{self.checkpoint_io.path} already holds steps up to {steps[-1]} and the fit starts at "
+                f"trainer.global_step {global_step}: resume with trainer.fit(..., "
+                "ckpt_path=history.resume_path()), or write to a new directory (to branch from an earlier "
+                "step, call history.checkpoint_io.checkpointer.truncate(after=...) first)")
 
     def on_validation_start(self, trainer, pl_module) -> None:
         # validation callbacks (EMAWeightAveraging) swap the weights in place
