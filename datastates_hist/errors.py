@@ -44,7 +44,8 @@ class RestoreMismatchError(ValueError):
         mismatched: ``(name, expected, found)`` for shape, dtype or type mismatches.
     """
 
-    def __init__(self, step: int, missing, unexpected, mismatched):
+    def __init__(self, step: int, missing, unexpected, mismatched,
+                 advice: str = "pass strict=False to load what matches and get the rest reported"):
         self.step = step
         self.missing = list(missing)
         self.unexpected = list(unexpected)
@@ -56,7 +57,7 @@ class RestoreMismatchError(ValueError):
             lines.append(f"  unexpected in the step ({len(self.unexpected)}): {_few(self.unexpected)}")
         for name, expected, found in self.mismatched[:20]:
             lines.append(f"  {name}: expected {expected}, found {found}")
-        lines.append("pass strict=False to load what matches and get the rest reported")
+        lines.append(advice)
         super().__init__("\n".join(lines))
 
 

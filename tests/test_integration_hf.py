@@ -251,6 +251,22 @@ def test_a_train_that_raised_is_resumed_in_the_same_process_without_closing(tmp_
         assert h.steps == [0, 1, 2, 3, 4, 5]
 
 
+def test_a_resume_into_another_model_names_the_tensors_and_what_to_do(two_steps, train_hf, text):
+    run_dir, _ = two_steps
+    args = train_hf.build_parser().parse_args(["--run-dir", run_dir, "--text", text, *TRAIN, "--size", "small"])
+    trainer, history = train_hf.build_trainer(args)
+    with pytest.raises(dh.RestoreMismatchError) as err:
+        history.resume_from_checkpoint(trainer)
+    history.close()
+    message = str(err.value).splitlines()
+    assert message[0] == "step 2 does not match the objects to restore:"
+    assert "  model/transformer.wte.weight: expected float32[256, 128], found float32[256, 32]" in message
+    assert message[-1] == (f"the Trainer's model is not the model {run_dir} was written from: resume with that "
+                           "model, or write to a new directory")
+    with dh.open(run_dir) as h:
+        assert h.steps == [0, 1, 2]  # nothing truncated
+
+
 def test_a_resume_not_passed_to_train_is_refused(two_steps, train_hf, text):
     run_dir, _ = two_steps
     trainer, history = trainer_of(train_hf, run_dir, text, steps=3)

@@ -60,6 +60,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 
 from ..checkpointer import Checkpointer
+from ..errors import RestoreMismatchError
 
 
 class HistoryCallback(TrainerCallback):
@@ -117,7 +118,12 @@ class HistoryCallback(TrainerCallback):
         ckpt.wait()  # a train() of this process that stopped may have left steps being written
         if not ckpt.steps():
             return None
-        restored = ckpt.restore(model=trainer.model, rng=False)
+        try:
+            restored = ckpt.restore(model=trainer.model, rng=False)
+        except RestoreMismatchError as exc:  # the Trainer resumes strictly: strict=False is no choice here
+            raise RestoreMismatchError(exc.step, exc.missing, exc.unexpected, exc.mismatched, advice=(
+                f"the Trainer's model is not the model {self.path} was written from: resume with that model, "
+                "or write to a new directory")) from None
         if "trainer_state" not in restored.extra:
             raise ValueError(f"step {restored.step} of {self.path} holds no Trainer state (extra/trainer_state): "
                              "its history was not written by HistoryCallback")
