@@ -126,6 +126,22 @@ def test_trace_of_a_name_longer_than_the_terminal_keeps_the_steps_and_never_wrap
     assert data["name"] == f"extra/{name}"
 
 
+def test_trace_in_a_terminal_of_30_columns_keeps_its_step_column(tmp_path):
+    run = tmp_path / "run"
+    with dh.Checkpointer(run) as ckpt:
+        for step in range(3):
+            model = torch.nn.Module()
+            model.register_buffer("alpha_beta_gamma_delta_weight_matrix", torch.ones(3) * (step + 1))
+            ckpt.write(step, model)
+    out = cli("trace", run, "alpha*", "--stat", "update_ratio", columns=30)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "step  …_matrix update_ratio"
+    assert [line.split() for line in lines[1:4]] == [["0"], ["1", "1"], ["2", "0.5"]]  # blank at the key step
+    assert lines[4:] == ["…_matrix update_ratio:  █▁"]
+    assert max(map(len, lines)) <= 30
+
+
 def test_names_alike_to_their_ends_keep_their_starts_apart():
     from datastates_hist.cli.output import shorten_names
 

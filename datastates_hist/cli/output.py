@@ -131,7 +131,8 @@ def table(columns: list[str], cells: list[list[str]], left, wrap: str | None = N
     # no edge padding: two spaces between columns and none around them leave the names more room
     grid = Table(show_edge=False, box=None, header_style="bold", pad_edge=False, padding=(0, GAP // 2))
     for i, col in enumerate(columns):
-        grid.add_column(Text(col), justify="left" if i == 0 or col in left else "right", no_wrap=i > 0 and col != wrap,
+        grid.add_column(Text(col), justify="left" if i == 0 or col in left else "right",
+                        no_wrap=(i > 0 or col == "step") and col != wrap,  # a step number never wraps
                         overflow="fold")
     for row in cells:
         grid.add_row(*map(Text, row))  # as written: a '[' in a name is not rich markup
@@ -145,30 +146,34 @@ KEPT_END = 32  # characters of a name's end kept before its group is given up
 CUT_REACH = 8  # characters (and a quarter of what is kept) a shortened name gives up more to begin at a part
 
 
-def shorten_names(names: list[str], room: int | list[int], strip: bool = True) -> list[str]:
+def shorten_names(names: list[str], room: int | list[int], strip: bool = True, least: int | None = None) -> list[str]:
     """A column of tensor names in at most ``room`` characters each (or each its own
     room): the model's without ``model/`` (as in ``state_dict()``, and as every command
-    takes them; unless not ``strip``), then each too long :func:`shorten`-ed."""
+    takes them; unless not ``strip``), then each too long :func:`shorten`-ed (to no
+    fewer than ``least`` characters: :data:`MIN_NAME_ROOM` unless given)."""
     from ..items import short_name
 
     rooms = room if isinstance(room, list) else [room] * len(names)
     if strip:
         names = [short_name(n) for n in names]
-    short = [shorten(n, r) for n, r in zip(names, rooms)]
+    least = MIN_NAME_ROOM if least is None else least
+    short = [shorten(n, r, least=least) for n, r in zip(names, rooms)]
     if len(set(short)) < len(set(names)):  # a cut at a part's start lost what told two apart
-        short = [shorten(n, r, at_part=False) for n, r in zip(names, rooms)]
+        short = [shorten(n, r, at_part=False, least=least) for n, r in zip(names, rooms)]
     if len(set(short)) < len(set(names)):  # alike to their ends: their starts tell them apart
-        short = [shorten(n, r, at_part=False, keep_start=True) for n, r in zip(names, rooms)]
+        short = [shorten(n, r, at_part=False, keep_start=True, least=least) for n, r in zip(names, rooms)]
     return short
 
 
-def shorten(name: str, room: int, at_part: bool = True, keep_start: bool = False) -> str:
+def shorten(name: str, room: int, at_part: bool = True, keep_start: bool = False,
+            least: int = MIN_NAME_ROOM) -> str:
     """``name`` in at most ``room`` characters, an ellipsis in place of what is left
     out. The end is kept first: it holds what tells tensors apart (block number,
     parameter, optimizer state), from the start of one of its parts where one is near;
     the group (``optim/``) when there is room for it too. ``keep_start``: a third of
-    the room for the name's start, the rest for its end (names alike to their ends)."""
-    room = max(room, MIN_NAME_ROOM)
+    the room for the name's start, the rest for its end (names alike to their ends);
+    ``least``: the fewest characters it keeps, whatever the room."""
+    room = max(room, least, 2)
     if len(name) <= room:
         return name
     if keep_start:

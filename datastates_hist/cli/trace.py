@@ -25,6 +25,7 @@ from .output import GAP, add_json_flag, console, emit, num, shorten_names
 BARS = "▁▂▃▄▅▆▇█"
 LOG_SCALE_STATS = ("update_ratio",)
 MIN_SPARK = 8  # bars a sparkline keeps beside however long a label (the line wraps then)
+LEAST_LABEL = 8  # characters a label keeps in a narrow terminal: a header cannot wrap
 LEGEND_MAX = 10  # tensors a plot's legend names; more would hide the panels
 AXIS_LABELS = {"update_ratio": "update ratio  ‖x − x_base‖ / ‖x_base‖"}
 
@@ -121,7 +122,8 @@ def fitted_labels(label: dict[str, str], room: dict[str, int]) -> dict[str, str]
     """Each label in its ``room`` (:func:`.output.shorten_names`), unless two would then
     read the same: then as they are (they wrap)."""
     names = list(label)
-    short = dict(zip(names, shorten_names([label[n] for n in names], [room[n] for n in names], strip=False)))
+    short = dict(zip(names, shorten_names([label[n] for n in names], [room[n] for n in names], strip=False,
+                                          least=LEAST_LABEL)))
     return short if len(set(short.values())) == len(short) else label
 
 
