@@ -75,10 +75,11 @@ class Collector:
             except (values_codec.NestingError, values_codec.NameClashError) as exc:
                 raise ValueError(f"cannot checkpoint {prefix!r}: {exc}") from None
         self._check_names(tensors)
+        replicated = None
         if self.group.size > 1:
-            tensors = self._my_part(tensors)
+            tensors, replicated = self._my_part(tensors)
         tensors.sort(key=lambda t: not t.volatile)  # volatile first; stable otherwise
-        return PendingCheckpoint(step, tensors, {"items": items_values, "objects": kinds})
+        return PendingCheckpoint(step, tensors, {"items": items_values, "objects": kinds}, replicated=replicated)
 
     def _check_names(self, tensors: list[TensorItem]) -> None:
         """Names the backends can store; checked once per set of names (the same every step)."""
@@ -96,14 +97,16 @@ class Collector:
             )
         return dtensor_item(item)
 
-    def _my_part(self, tensors: list[TensorItem]) -> list[TensorItem]:
+    def _my_part(self, tensors: list[TensorItem]) -> tuple[list[TensorItem], list]:
         """Blocks of shards stay; tensors every rank holds are split among the ranks;
-        this rank's own (RNG) tensors stay whole."""
+        this rank's own (RNG) tensors stay whole. Also ``[name, dtype, shape]`` of each
+        tensor taken as replicated, which every rank must hold alike (:func:`.sharding.replicated_problem`)."""
         own = [t for t in tensors if under(t.name, self.rng_prefix)]
         rest = [t for t in tensors if not under(t.name, self.rng_prefix)]
         shards = [t for t in rest if t.global_shape is not None]
         replicated = [t for t in rest if t.global_shape is None]
-        return own + shards + split_replicated(replicated, self.group.rank, self.group.size)
+        layout = [[t.name, str(t.tensor.dtype).removeprefix("torch."), list(t.tensor.shape)] for t in replicated]
+        return own + shards + split_replicated(replicated, self.group.rank, self.group.size), layout
 
 
 def step_number(step: Any) -> int:

@@ -41,7 +41,7 @@ from .items import TensorRecord, under
 from .layout import PARTIAL, restore_unit, step_of_unit, steps_dir
 from .retention import Retention, apply_retention
 from .scalars import scalars_of
-from .sharding import merge_records
+from .sharding import merge_records, replicated_problem
 
 
 class Committer:
@@ -174,11 +174,15 @@ def commit_collective(group, index: Index | None, backend: str, ckpt, writer, re
     Raises on every rank when any rank failed.
     """
     mine = {"step": ckpt.step, "error": _describe(ckpt.error),
-            "records": [r.to_json() for r in records] if ckpt.error is None else [], "values": own_values}
+            "records": [r.to_json() for r in records] if ckpt.error is None else [], "values": own_values,
+            "replicated": ckpt.replicated}
     gathered = group.gather(mine)
     verdict, manifest, merged = {"error": None}, None, []
     if group.root:
         verdict["error"] = _first_error(gathered, ckpt.step)
+        if verdict["error"] is None:
+            problem = replicated_problem([g["replicated"] for g in gathered])
+            verdict["error"] = problem and f"rank 0 (comparing the ranks' tensors): {problem}"
         if verdict["error"] is None:
             parts = not writer.shared  # one file per rank (backends.ranks); rank 0's writer is open
             try:

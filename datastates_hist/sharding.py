@@ -97,6 +97,25 @@ def split_replicated(items: list[TensorItem], rank: int, size: int) -> list[Tens
     return mine
 
 
+def replicated_problem(per_rank: list[list | None]) -> str | None:
+    """Why the ranks' replicated tensors (``[name, dtype, shape]`` each, from every rank)
+    differ, or None. Each rank writes its part of a plan made from its own list: a tensor
+    one rank lacks, or holds with another shape, would be written by nobody or twice."""
+    mine = {name: (dtype, shape) for name, dtype, shape in per_rank[0] or []}
+    for rank, layout in enumerate(per_rank[1:], 1):
+        theirs = {name: (dtype, shape) for name, dtype, shape in layout or []}
+        if theirs == mine:
+            continue
+        said = "write() needs the same tensors on every rank (a tensor not sharded is taken as replicated): "
+        for name in sorted(mine.keys() ^ theirs.keys()):
+            where, lacks = (0, rank) if name in mine else (rank, 0)
+            return said + f"tensor {name!r} is on rank {where}, not on rank {lacks}"
+        name = next(n for n in sorted(mine) if mine[n] != theirs[n])
+        return (said + f"tensor {name!r} is {mine[name][0]}{mine[name][1]} on rank 0 but "
+                f"{theirs[name][0]}{theirs[name][1]} on rank {rank}")
+    return None
+
+
 # --- merging per-rank records at commit ------------------------------------------------
 
 def merge_records(per_rank: list[list[dict]], parts: bool) -> list[TensorRecord]:

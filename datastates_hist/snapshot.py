@@ -53,6 +53,9 @@ class PendingCheckpoint:
     handed_on: bool = False
     waited_for_space: bool = False  # the snapshot waited for the flush to free cache space
     training_waited: bool = False  # training waited for this snapshot (the pipeline's hooks)
+    # with several ranks: [name, dtype, shape] of each tensor this rank takes as replicated,
+    # compared across the ranks at commit (each writes its part of a plan made from them)
+    replicated: list | None = None
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:

@@ -160,6 +160,19 @@ def test_torchrun_a_failing_rank_leaves_the_step_uncommitted(tmp_path, how, rank
     assert re.search(rf"rank {other}: FAILURE .*step 3 .*rank {rank} of 2: OSError: injected failure", out), out
 
 
+@pytest.mark.parametrize("how", ["mpirun", "torchrun"])
+def test_a_tensor_one_rank_alone_holds_leaves_the_step_uncommitted_and_named(tmp_path, how):
+    """Each rank writes its part of a plan made from its own tensors: one that a rank alone
+    holds would be written by nobody, and the step committed without it."""
+    run = str(tmp_path / "run")
+    out = launch(how, 2, "train", run, "--model", "ddp", "--fail-rank", "1", "--fail-step", "3",
+                 "--fail-how", "extra")
+    assert re.findall(r"rank \d+: steps (\[.*\])", out) == ["[0, 1, 2, 4, 5, 6, 7, 8, 9]"] * 2, out
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: FAILURE .*step 3 .*write\(\) needs the same tensors on every rank .*"
+                         r"tensor 'extra/only_mine' is on rank 1, not on rank 0", out), out
+
+
 # --- the pieces, without launching ranks -------------------------------------------------
 
 def test_replicated_tensors_are_split_into_disjoint_parts_that_cover_them():
@@ -178,6 +191,19 @@ def test_replicated_tensors_are_split_into_disjoint_parts_that_cover_them():
             assert merged[item.name].shape == tuple(item.tensor.shape)
         loads = [sum(p.tensor.numel() for p in part) for part in parts]
         assert max(loads) <= 1.5 * sum(loads) / size + 64 * 64  # balanced within one tensor
+
+
+def test_the_ranks_replicated_tensors_are_compared_by_name_dtype_and_shape():
+    from datastates_hist.sharding import replicated_problem
+
+    a = [["model/w", "float32", [4, 2]], ["extra/b", "float32", [10]]]
+    assert replicated_problem([a, list(a)]) is None
+    said = "write() needs the same tensors on every rank (a tensor not sharded is taken as replicated): "
+    assert replicated_problem([a, a[:1]]) == said + "tensor 'extra/b' is on rank 0, not on rank 1"
+    assert replicated_problem([a, a, [*a, ["extra/c", "int64", []]]]) == said + \
+        "tensor 'extra/c' is on rank 2, not on rank 0"
+    assert replicated_problem([a, [a[0], ["extra/b", "float32", [12]]]]) == said + \
+        "tensor 'extra/b' is float32[10] on rank 0 but float32[12] on rank 1"
 
 
 def _rec(name, shape, offset, gshape=(4, 4)):

@@ -174,6 +174,8 @@ def train(args, comm):
         extra = {"data": {"step": step}, "table": table}
         if args.fail_how == "raise" and step == args.fail_step and rank == args.fail_rank:
             extra["bad"] = Unstorable()
+        if args.fail_how == "extra" and step == args.fail_step and rank == args.fail_rank:
+            extra["only_mine"] = torch.ones(4)  # a tensor the other ranks do not hold
         try:
             ckpt.write(step, model, opt, **extra)
         except (TypeError, dh.CheckpointError) as exc:
@@ -268,7 +270,7 @@ def main():
     p.add_argument("--aggregators", type=int, default=0, help="BP5 NumAggregators (MPI)")
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-step", type=int, default=-1)
-    p.add_argument("--fail-how", default=None, choices=["raise", "put", "open"])
+    p.add_argument("--fail-how", default=None, choices=["raise", "put", "open", "extra"])
     args = p.parse_args()
     comm = init_distributed()
     try:
