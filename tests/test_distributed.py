@@ -173,6 +173,21 @@ def test_a_tensor_one_rank_alone_holds_leaves_the_step_uncommitted_and_named(tmp
                          r"tensor 'extra/only_mine' is on rank 1, not on rank 0", out), out
 
 
+@pytest.mark.parametrize("how, backend", [("torchrun", "adios2"), ("mpirun", "hdf5")])
+def test_ranks_writing_to_different_run_directories_commit_nothing(tmp_path, how, backend):
+    """One file per rank: rank 1's files went to its own folder, and rank 0 published a step
+    without them (every restore of it failed); now no step is committed."""
+    run = str(tmp_path / "run")
+    dh.Checkpointer(run + ".elsewhere", backend=backend).close()  # rank 1's run: an existing one
+    out = launch(how, 2, "train", run, "--model", "ddp", "--backend", backend, "--steps", "2",
+                 "--fail-rank", "1", "--fail-how", "elsewhere")
+    assert re.findall(r"rank \d+: steps (\[.*\])", out) == ["[]"] * 2, out
+    suffix = {"adios2": "bp", "hdf5": "h5"}[backend]
+    assert re.search(rf"rank 0: FAILURE close: .*write step 0: rank 0 \(publishing\): FileNotFoundError: the ranks' "
+                     rf"files rank00001.{suffix} of this step are not in {re.escape(run)}/steps/000000000000"
+                     r"\.ranks\.partial: every rank must write to the same run directory", out), out
+
+
 # --- the pieces, without launching ranks -------------------------------------------------
 
 def test_replicated_tensors_are_split_into_disjoint_parts_that_cover_them():

@@ -23,7 +23,8 @@ class RankFilesWriter(StepWriter):
         self.final = os.path.join(steps_dir, step_stem(step) + RANKS_SUFFIX)
         self.tmp = self.final + PARTIAL
         os.makedirs(self.tmp, exist_ok=True)
-        self.file = backend.writer_at(os.path.join(self.tmp, rank_file(group.rank, backend.suffix)), step)
+        self.files = [rank_file(rank, backend.suffix) for rank in range(group.size)]
+        self.file = backend.writer_at(os.path.join(self.tmp, self.files[group.rank]), step)
 
     @property
     def writes_at_put(self) -> bool:
@@ -43,7 +44,14 @@ class RankFilesWriter(StepWriter):
         self.file.publish()  # its final name inside the folder, which is still partial
 
     def publish(self) -> str:
-        rename_into_place(self.tmp, self.final)  # every rank sealed (fsynced) its file and its rename
+        # every rank sealed (fsynced) its file and its rename: into this folder, unless a rank
+        # was given another run directory (one not shared, or another path)
+        missing = [name for name in self.files if not os.path.exists(os.path.join(self.tmp, name))]
+        if missing:
+            raise FileNotFoundError(
+                f"the ranks' files {', '.join(missing)} of this step are not in {self.tmp}: every rank "
+                "must write to the same run directory, on storage they all share")
+        rename_into_place(self.tmp, self.final)
         return os.path.basename(self.final)
 
     def finish(self, manifest: bytes) -> str:

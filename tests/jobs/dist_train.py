@@ -158,6 +158,8 @@ def train(args, comm):
     if args.fail_how == "open" and rank == args.fail_rank:
         fail_open_at(args.fail_step)
     options = {"parameters": {"NumAggregators": str(args.aggregators)}} if args.aggregators else None
+    if args.fail_how == "elsewhere" and rank == args.fail_rank:
+        args.run += ".elsewhere"  # a run directory the other ranks do not write to
     ckpt = dh.Checkpointer(args.run, comm=comm, backend=args.backend, backend_options=options)
     expected_dir = args.run + ".expected"
     os.makedirs(expected_dir, exist_ok=True)
@@ -270,7 +272,7 @@ def main():
     p.add_argument("--aggregators", type=int, default=0, help="BP5 NumAggregators (MPI)")
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-step", type=int, default=-1)
-    p.add_argument("--fail-how", default=None, choices=["raise", "put", "open", "extra"])
+    p.add_argument("--fail-how", default=None, choices=["raise", "put", "open", "extra", "elsewhere"])
     args = p.parse_args()
     comm = init_distributed()
     try:
