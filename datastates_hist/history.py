@@ -19,7 +19,7 @@ import torch
 from .dtypes import storage_torch_dtype
 from .errors import StepNotFoundError
 from .index import STAT_KEYS, TENSOR_STATS
-from .items import MODEL_PREFIX, matches, selected
+from .items import MODEL_PREFIX, matches, selected_names
 from .layout import asked_step, count_of, run_path
 from .scalars import close_hint, matches_scalar, resolve_scalar, scalars_of
 from .step_data import StepData
@@ -404,8 +404,8 @@ def diff_steps(ha: History, a: int, hb: History, b: int, names=None):
     rb = {r.name: r for r in hb.store.records(b)}
     rows = []
     both = [n for n in ra if n in rb]
-    chosen = None if patterns is None else {  # a name that one step alone holds is still a name
-        n for found in selected(list(dict.fromkeys([*ra, *rb])), patterns).values() for n in found}
+    # a name that one step alone holds is still a name
+    chosen = None if patterns is None else selected_names(list(dict.fromkeys([*ra, *rb])), patterns)
     for name in [n for n in both if compared(n, chosen)]:
         if ra[name].shape != rb[name].shape:
             rows.append({"name": name, "shape": ra[name].shape, "integral": False,  # not compared

@@ -57,6 +57,11 @@ def selected(names: list[str], patterns: list[str]) -> dict[str, list[str]]:
     return {p: [by_name[p]] if p in by_name else [n for n in names if matches(n, [p])] for p in patterns}
 
 
+def selected_names(names: list[str], patterns: list[str]) -> set[str]:
+    """The names of ``names`` that any of ``patterns`` selects (:func:`selected`)."""
+    return set().union(*selected(names, patterns).values())
+
+
 @dataclass
 class TensorItem:
     """One tensor to store under ``name``.

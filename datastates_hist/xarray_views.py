@@ -36,7 +36,7 @@ from xarray.core import indexing
 
 from .dtypes import torch_dtype
 from .errors import CorruptionError, ShapeChangeError, StepNotFoundError
-from .items import TensorRecord, selected
+from .items import TensorRecord, selected_names
 from .layout import asked_step
 from .scalars import matches_scalar
 
@@ -346,7 +346,7 @@ def open_history_dataset(history, names: str | Iterable[str] | None = None,
     chosen = select_steps(history, steps)
     variables, inconsistent, partial, details = {}, [], [], []
     layout = _layout(history, chosen)
-    wanted = None if patterns is None else {n for found in selected(list(layout), patterns).values() for n in found}
+    wanted = None if patterns is None else selected_names(list(layout), patterns)
     for name, per_step in layout.items():
         safe = variable_name(name)
         if wanted is not None and name not in wanted or name in drop or safe in drop:

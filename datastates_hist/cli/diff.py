@@ -125,10 +125,9 @@ def say_what_one_step_alone_holds(names_a: set[str], names_b: set[str], a: int, 
     """A line on stderr for the tensors that one step holds and the other not (a trajectory
     point keeps only the trajectory's): left out of the comparison, not unchanged."""
     from ..history import compared
-    from ..items import selected
+    from ..items import selected_names
 
-    chosen = None if patterns is None else {
-        n for found in selected(sorted(names_a | names_b), patterns).values() for n in found}
+    chosen = None if patterns is None else selected_names(sorted(names_a | names_b), patterns)
     only = [(len([n for n in mine - theirs if compared(n, chosen)]), step)
             for mine, theirs, step in ((names_a, names_b, a), (names_b, names_a, b))]
     parts = [f"{counted(n, 'tensor')} only in step {step}" for n, step in only if n]

@@ -208,9 +208,14 @@ def _jsonable(x: Any) -> Any:
     raise TypeError(f"cannot print {type(x).__name__} as JSON")
 
 
+def plural(noun: str, n: int) -> str:
+    """``noun``, plural unless ``n`` is 1 (``step``, ``steps``)."""
+    return noun if n == 1 else f"{noun}s"
+
+
 def counted(n: int, noun: str) -> str:
     """``n`` and ``noun``, plural unless ``n`` is 1 (``1 step``, ``3 steps``)."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+    return f"{n} {plural(noun, n)}"
 
 
 def when(t: float) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ..retention import doomed, policies, protect_bases, step_bytes
 from . import add_command, count
 from ..index import open_existing
-from .output import add_json_flag, counted, emit, size
+from .output import add_json_flag, counted, emit, plural, size
 
 
 def add_parser(sub):
@@ -56,12 +56,11 @@ def run(args) -> int:
                             "bases": bases})
         return 0
     verb, freeing = ("would delete", "would free") if args.dry_run else ("deleted", "freed")
-    listed = f"; {freeing} {size(nbytes)} ({'step' if len(removed) == 1 else 'steps'} {_spans(removed, kept)})" \
-        if removed else ""
+    listed = f"; {freeing} {size(nbytes)} ({plural('step', len(removed))} {_spans(removed, kept)})" if removed else ""
     print(f"{verb} {counted(len(removed), 'step')}; {len(kept)} kept{listed}")
     if bases:
         others = sorted(set(removed + kept) - set(bases))
-        print(f"{len(bases)} kept only as delta bases of kept steps ({'step' if len(bases) == 1 else 'steps'} "
+        print(f"{len(bases)} kept only as delta bases of kept steps ({plural('step', len(bases))} "
               f"{_spans(bases, others)})")
     return 0
 

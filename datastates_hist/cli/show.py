@@ -42,7 +42,7 @@ def run(args) -> int:
         unmatched = [glob for glob, found in chosen.items() if not found]
         if unmatched:
             raise KeyError(f"no tensor of step {step} of {args.run} matches {', '.join(unmatched)}")
-        wanted = {name for found in chosen.values() for name in found}
+        wanted = set().union(*chosen.values())
         records = [r for r in records if r.name in wanted]
     data = [{"name": r.name, "shape": list(r.shape), "dtype": r.dtype, "nbytes": r.nbytes,
              "encoding": r.encoding, "base": r.base, "stored": stored(r), "update_ratio": r.update_ratio,
