@@ -125,14 +125,23 @@ class Checkpointer:
             raise failure
         if verdict is not None:
             raise CheckpointError(f"rank 0 could not open {self.path} for writing: {verdict}")
+        failure = None
         try:
             if not self.group.root:
                 self.index = Index(self.path)
             self.backend_name = self.index.backend(backend)
             self.backend = make_backend(self.backend_name, backend_options)
-        except BaseException:
+        except BaseException as exc:
+            failure = exc
+        # every rank learns whether every other one opened (the others would wait for it in
+        # write()), with the same backend (the ranks write each step together)
+        mine = [f"{type(failure).__name__}: {failure}", None] if failure else [None, self.backend_name]
+        verdict = _ranks_disagree(self.group.allgather(mine))
+        if failure is not None or verdict is not None:
             self._give_back()
-            raise
+            if failure is not None:
+                raise failure
+            raise CheckpointError(f"not every rank could open {self.path} for writing: {verdict}")
         self.model, self.optimizer = model, optimizer
         self.host_cache_bytes, self.piece_bytes = host_cache_bytes, piece_bytes
         self.refuse_nonfinite = refuse_nonfinite
@@ -282,13 +291,21 @@ class Checkpointer:
         """Wait for every write to commit, then release threads, hooks and the lock."""
         if self.closed:
             return
+        error = None
         try:
             self.wait()
+        except BaseException as exc:
+            error = exc
+        self.closed = True
+        _OPEN.discard(self)
+        try:
+            self._pipeline.close()  # with several ranks, raises if they did not all write the same steps
+        except BaseException as exc:
+            error = error or exc  # the failed steps' error says more
         finally:
-            self.closed = True
-            _OPEN.discard(self)
-            self._pipeline.close()
             self._give_back()
+        if error is not None:
+            raise error
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -312,9 +329,8 @@ class Checkpointer:
             after = integral(after)
         except TypeError:
             raise TypeError(f"truncate(after=...) needs a step number (int), got {after!r}") from None
-        self.wait()
-        return self._removing(
-            lambda: remove_steps(self.path, self.index, [s for s in self.index.steps() if s > after]))
+        return self._after_waiting(lambda: self._removing(
+            lambda: remove_steps(self.path, self.index, [s for s in self.index.steps() if s > after])))
 
     def prune(self, keep_last: int | None = None, keep_every: int | None = None,
               dry_run: bool = False) -> list[int]:
@@ -323,10 +339,23 @@ class Checkpointer:
 
         self._check_open()
         rules = policies(keep_last, keep_every)
-        self.wait()
         if dry_run:
-            return self._on_root(lambda: prune_index(self.path, self.index, rules, dry_run))
-        return self._removing(lambda: prune_index(self.path, self.index, rules))
+            return self._after_waiting(lambda: self._on_root(lambda: prune_index(self.path, self.index, rules, True)))
+        return self._after_waiting(lambda: self._removing(lambda: prune_index(self.path, self.index, rules)))
+
+    def _after_waiting(self, change):
+        """``change()`` once every write is committed. A failure of an earlier step is raised
+        first; with several ranks, after the change (as ``write()`` does): a rank may have
+        reported it already, and every rank must take part in the change."""
+        if self.group.size == 1:
+            self.wait()
+            return change()
+        try:
+            self.wait()
+        except CheckpointError as exc:
+            change()
+            raise exc
+        return change()
 
     def _removing(self, change) -> list[int]:
         """Run ``change`` (removing steps, on rank 0); no later step is encoded against what
@@ -381,6 +410,18 @@ class Checkpointer:
 # Held strongly until close(): a Checkpointer the program dropped without closing it
 # still has steps in flight, which the exit handler commits.
 _OPEN: "set[Checkpointer]" = set()
+
+
+def _ranks_disagree(opened: list[list]) -> str | None:
+    """Why the ranks cannot write together: ``opened`` holds each rank's ``[error,
+    backend]`` after opening; None when every rank opened with rank 0's backend."""
+    for rank, (error, backend) in enumerate(opened):
+        if error:
+            return f"rank {rank}: {error}"
+        if backend != opened[0][1]:
+            return (f"rank {rank} writes with the backend {backend!r} and rank 0 with {opened[0][1]!r}: "
+                    "pass the same backend= on every rank")
+    return None
 
 
 def _check_index_exists(run_dir: str) -> None:

@@ -35,7 +35,7 @@ import warnings
 from .backends import StepWriter
 from .digest import checksum_bytes
 from .durable import remove_tree
-from .errors import CorruptionError
+from .errors import CheckpointError, CorruptionError
 from .index import FORMAT_VERSION, Index, StepRow, check_location
 from .items import TensorRecord, under
 from .layout import PARTIAL, restore_unit, step_of_unit, steps_dir
@@ -60,12 +60,27 @@ class Committer:
         self.retention = retention or Retention()
         self.index: Index | None = None
         self.removed: list[int] = []  # the steps retention removed after the last commit
+        # several ranks: whether the ranks agreed to begin the step being written, and
+        # why no rank may write any more (one closed its Checkpointer while another wrote)
+        self.begun = False
+        self.ended: str | None = None
 
     def open_writers(self, ckpt) -> dict[str, StepWriter]:
         """The writers of ``ckpt``'s units: ``{"": main}``, and ``"restore"`` for a
-        restore point written as two units."""
+        restore point written as two units. With several ranks, the ranks first agree
+        to begin the step (:func:`agree_to_begin`); RankFailure on every rank if not."""
         folder = steps_dir(self.run_dir)
         if self.group.size > 1:
+            self.begun = False
+            if self.ended is None:
+                error, ended = agree_to_begin(self.group, {"step": ckpt.step, "error": _describe(ckpt.error)})
+                if ended:
+                    self.ended = error
+            else:
+                error = self.ended
+            if error is not None:
+                raise RankFailure(f"the ranks did not all write step {ckpt.step}: {error}")
+            self.begun = True
             return {"": self.backend.begin_step(folder, ckpt.step, group=self.group)}
         writers = {"": self.backend.begin_step(folder, ckpt.step)}
         if ckpt.plan is not None and ckpt.plan.retention.split:
@@ -87,6 +102,9 @@ class Committer:
                 commit_step(self.index, self.backend_name, ckpt.step, writers, records, ckpt.values)
                 self._apply_retention(ckpt.step)
             return
+        if not self.begun:  # the ranks agreed not to begin it: each knows it failed
+            raise ckpt.error or RankFailure(f"step {ckpt.step} was not begun")
+        self.begun = False
         writer = writers.get("")
         own = {key: {k: v for k, v in ckpt.values.get(key, {}).items() if under(k, self.own_prefix)}
                for key in ("items", "objects")}
@@ -105,9 +123,19 @@ class Committer:
                           f"older steps are kept: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=1)
 
     def close(self) -> None:
-        if self.index is not None:
-            self.index.close()
-            self.index = None
+        """After the last commit. With several ranks, the ranks agree that they all close:
+        a rank still writing a step fails it (and writes no more) instead of waiting for
+        this one forever. Raises CheckpointError when they did not all write the same steps."""
+        try:
+            if self.group.size > 1 and self.ended is None:
+                self.ended, _ = agree_to_begin(self.group, {"closing": True})
+                if self.ended is not None:
+                    raise CheckpointError(f"the ranks did not all write the same steps to {self.run_dir}: "
+                                          f"{self.ended}")
+        finally:
+            if self.index is not None:
+                self.index.close()
+                self.index = None
 
 
 def manifest_bytes(step: int, records: list[TensorRecord], values: dict, **more) -> bytes:
@@ -163,6 +191,23 @@ class RankFailure(RuntimeError):
 
 def _describe(exc: BaseException | None) -> str | None:
     return None if exc is None else f"{type(exc).__name__}: {exc}"
+
+
+def agree_to_begin(group, mine: dict) -> tuple[str | None, bool]:
+    """The ranks agree, before any of them opens a writer (whose collective calls would
+    wait for a rank that never makes them), that they all begin the same step:
+    ``mine`` is ``{"step": n, "error": why this rank's snapshot failed or None}``, or
+    ``{"closing": True}`` from :meth:`Committer.close`. Returns ``(error, ended)`` on
+    every rank: why the step may not begin (None: it may, or every rank closes), and
+    whether the ranks must stop writing (some closed while others wrote)."""
+    everyone = group.allgather(mine)  # each rank reaches the same verdict from the same list
+    closing = [r for r, g in enumerate(everyone) if g.get("closing")]
+    writing = [r for r, g in enumerate(everyone) if not g.get("closing")]
+    if closing and writing:
+        r, w = closing[0], writing[0]
+        return (f"rank {r} closed its Checkpointer while rank {w} wrote step {everyone[w]['step']}: "
+                "write() must be called on every rank with the same steps"), True
+    return (_first_error(everyone, everyone[0]["step"]) if writing else None), False
 
 
 def commit_collective(group, index: Index | None, backend: str, ckpt, writer, records: list[TensorRecord],
@@ -228,9 +273,11 @@ def _first_error(gathered: list[dict], step: int) -> str | None:
 
 
 def _abort_all(group, writer) -> None:
+    # a writer whose collective close would wait for a rank without one is abandoned
+    together = all(group.allgather(writer is not None))
     if writer is not None:
         try:
-            writer.abort()
+            writer.abort() if together else writer.abandon()
         except BaseException:
             pass
     group.barrier()

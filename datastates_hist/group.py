@@ -35,6 +35,10 @@ class Group:
         """Rank 0's ``obj`` on every rank."""
         return obj
 
+    def allgather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on every rank (in rank order)."""
+        return [obj]
+
     def barrier(self) -> None:
         pass
 
@@ -65,6 +69,10 @@ class MPIGroup(Group):
     def bcast(self, obj):
         self._arrive()
         return _decode(self.mpi_comm.bcast(_encode(obj) if self.root else None, root=0))
+
+    def allgather(self, obj):
+        self._arrive()
+        return [_decode(g) for g in self.mpi_comm.allgather(_encode(obj))]
 
     def barrier(self):
         self._arrive()
@@ -101,6 +109,11 @@ class TorchGroup(Group):
         box = [_encode(obj) if self.root else None]
         self._dist.broadcast_object_list(box, src=self._global(0), group=self.group)
         return _decode(box[0])
+
+    def allgather(self, obj):
+        out = [None] * self.size
+        self._dist.all_gather_object(out, _encode(obj), group=self.group)
+        return [_decode(g) for g in out]
 
     def barrier(self):
         self._dist.barrier(group=self.group)

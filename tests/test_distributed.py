@@ -41,7 +41,7 @@ def _mpi_ready() -> str | None:
 needs_mpi = pytest.mark.skipif(_mpi_ready() is not None, reason=str(_mpi_ready()))
 
 
-def launch(how: str, n: int, *args: str) -> str:
+def launch(how: str, n: int, *args: str, timeout: float = 600) -> str:
     """Run the job on ``n`` ranks (``how``: mpirun, torchrun, or none for one process); its output."""
     cmd = [sys.executable, JOB, *args]
     if how == "mpirun":
@@ -49,7 +49,7 @@ def launch(how: str, n: int, *args: str) -> str:
     elif how == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *cmd[1:]]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-4000:]}"
     return out
@@ -186,6 +186,84 @@ def test_ranks_writing_to_different_run_directories_commit_nothing(tmp_path, how
     assert re.search(rf"rank 0: FAILURE close: .*write step 0: rank 0 \(publishing\): FileNotFoundError: the ranks' "
                      rf"files rank00001.{suffix} of this step are not in {re.escape(run)}/steps/000000000000"
                      r"\.ranks\.partial: every rank must write to the same run directory", out), out
+
+
+# A job that disagrees must end with an error on every rank, never hang: these would
+# wait forever in a collective (ADIOS2's close, a gather) without the ranks' agreements.
+HANG_S = 180
+
+BOTH = [pytest.param("mpirun", "adios2", marks=needs_mpi), pytest.param("mpirun", "hdf5", marks=needs_mpi),
+        ("torchrun", "adios2")]
+
+
+@pytest.mark.parametrize("how, backend", BOTH)
+def test_a_rank_that_cannot_open_the_step_file_fails_the_step_on_every_rank(tmp_path, how, backend):
+    """Rank 1 runs out of file descriptors at step 3: inside ADIOS2's collective open (or
+    h5py's), while rank 0's writer is open; rank 0 used to wait in the collective close."""
+    run = str(tmp_path / "run")
+    out = launch(how, 2, "train", run, "--model", "ddp", "--backend", backend, "--steps", "6",
+                 "--fail-rank", "1", "--fail-step", "3", "--fail-how", "fds", timeout=HANG_S)
+    assert re.findall(r"rank \d+: steps (\[.*\])", out) == ["[0, 1, 2, 4, 5]"] * 2, out
+    assert re.search(r"rank 1: FAILURE write 3: checkpoint of step 3 .* failed and was not committed", out), out
+    assert re.search(r"rank 0: FAILURE .*step 3 .*the ranks did not all write step 3: rank 1 of 2: ", out), out
+    assert not [e for e in os.listdir(os.path.join(run, "steps")) if e.startswith("000000000003")]
+    restored_lines(launch(how, 2, "restore", run, "5", "--model", "ddp"), 2, 5)
+
+
+@pytest.mark.parametrize("how, backend", BOTH)
+def test_a_rank_that_skips_a_write_fails_the_steps_after_it_and_nothing_hangs(tmp_path, how, backend):
+    run = str(tmp_path / "run")
+    out = launch(how, 2, "train", run, "--model", "ddp", "--backend", backend, "--steps", "6",
+                 "--fail-rank", "1", "--fail-step", "3", "--fail-how", "skip", timeout=HANG_S)
+    assert re.findall(r"rank \d+: steps (\[.*\])", out) == ["[0, 1, 2]"] * 2, out
+    assert re.search(r"rank 0: FAILURE close: checkpoints of steps 3, 4, 5 .*the ranks did not all write step 3: "
+                     r"rank 1 wrote step 4 while rank 0 wrote step 3: write\(\) must be called on every rank "
+                     r"with the same steps", out), out
+    assert re.search(r"rank 1: FAILURE close: checkpoints of steps 4, 5 .*rank 1 wrote step 4 while rank 0 wrote "
+                     r"step 3", out), out
+    assert sorted(os.listdir(os.path.join(run, "steps"))) == [f"{s:012d}.{_suffix(how, backend)}" for s in (0, 1, 2)]
+
+
+@pytest.mark.parametrize("how, backend", BOTH)
+def test_a_rank_that_writes_a_step_more_fails_it_and_the_others_close(tmp_path, how, backend):
+    run = str(tmp_path / "run")
+    out = launch(how, 2, "train", run, "--model", "ddp", "--backend", backend, "--steps", "3",
+                 "--fail-rank", "0", "--fail-how", "one-more", timeout=HANG_S)
+    assert re.findall(r"rank \d+: steps (\[.*\])", out) == ["[0, 1, 2]"] * 2, out
+    closed = r"rank 1 closed its Checkpointer while rank 0 wrote step 3: write\(\) must be called on every rank"
+    assert re.search(rf"rank 0: FAILURE close: checkpoint of step 3 .*not committed: .*{closed}", out), out
+    assert re.search(rf"rank 1: FAILURE close: the ranks did not all write the same steps to .*{closed}", out), out
+
+
+@pytest.mark.parametrize("how", [pytest.param("mpirun", marks=needs_mpi), "torchrun"])
+def test_ranks_opening_with_different_backends_all_fail_to_open(tmp_path, how):
+    run = str(tmp_path / "run")
+    out = launch(how, 2, "train", run, "--model", "ddp", "--backend", "hdf5",
+                 "--fail-rank", "1", "--fail-how", "backend", timeout=HANG_S)
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: FAILURE open: not every rank could open {re.escape(run)} for writing: "
+                         r"rank 1 writes with the backend 'adios2' and rank 0 with 'hdf5': pass the same backend= "
+                         "on every rank", out), out
+    with dh.open(run) as h:
+        assert h.steps == []
+
+
+@pytest.mark.parametrize("how", [pytest.param("mpirun", marks=needs_mpi), "torchrun"])
+def test_truncate_after_a_failure_one_rank_has_reported_truncates_on_every_rank(tmp_path, how):
+    """Rank 1's write(4) raised; rank 0 reported the failed step at wait(); rank 1 has it still
+    to report when both call truncate(): it used to raise it there and skip the change that
+    rank 0 waited in."""
+    run = str(tmp_path / "run")
+    out = launch(how, 2, "train", run, "--model", "ddp", "--steps", "5",
+                 "--fail-rank", "1", "--fail-step", "4", "--fail-how", "truncate", timeout=HANG_S)
+    assert re.findall(r"rank \d+: steps (\[.*\])", out) == ["[0, 1]"] * 2, out
+    assert re.findall(r"rank \d+: truncated (\[.*\])", out) == ["[2, 3]"], out  # rank 0's; rank 1 raised
+    assert re.search(r"rank 0: FAILURE wait: checkpoint of step 4 .*rank 1 of 2: ", out), out
+    assert re.search(r"rank 1: FAILURE truncate: checkpoint of step 4 .*not committed", out), out
+
+
+def _suffix(how: str, backend: str) -> str:
+    return "bp" if (how, backend) == ("mpirun", "adios2") else "ranks"
 
 
 # --- the pieces, without launching ranks -------------------------------------------------

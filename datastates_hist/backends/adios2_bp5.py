@@ -26,6 +26,7 @@ from ..boxes import overlap
 from ..durable import fsync_tree, remove_tree
 from ..layout import unit_name
 from . import _adios2_capi as capi
+from ._stderr import stderr_kept
 from .base import Backend, StagedStepWriter
 from .bp5_files import PROFILE, check_checksums, write_checksums
 from .step import StepReader
@@ -157,6 +158,14 @@ class Adios2CollectiveWriter(Adios2StepWriter):
             self.close_files()  # collective: every rank aborts together
         except Exception:
             pass
+
+    def abandon(self):
+        # Finalizing the context destroys the engine without its collective close: BP5's
+        # destructor only clears the index's "active" byte and closes the files, locally.
+        # Its warning that the output may be corrupt is kept off stderr: the step is failed.
+        self.file.engine = None
+        with stderr_kept([]):
+            self.adios.close()
 
 
 class Adios2StepReader(StepReader):

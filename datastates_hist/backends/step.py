@@ -59,6 +59,12 @@ class StepWriter(ABC):
         """Rank 0, after every rank aborted: remove what is left of the step's unit."""
         raise NotImplementedError(f"{type(self).__name__} does not write steps of several ranks")
 
+    def abandon(self) -> None:
+        """Stop writing without the other ranks: some rank has no writer of this step (its
+        open failed), so a collective close would wait for it forever. A writer that closes
+        alone aborts as usual; rank 0 then removes the unit."""
+        self.abort()
+
 
 class StepReader(ABC):
     @abstractmethod

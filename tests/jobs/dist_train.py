@@ -1,6 +1,6 @@
 """A distributed training job for the multi-rank tests, run under ``mpirun`` or ``torchrun``.
 
-    dist_train.py train RUN --model ddp|dtensor --steps 10 [--fail-rank R --fail-step S --fail-how raise|put|open]
+    dist_train.py train RUN --model ddp|dtensor --steps 10 [--fail-rank R --fail-step S --fail-how HOW]
     dist_train.py restore RUN STEP --model ddp|dtensor|plain
 
 ``train`` checkpoints every step and saves, at rank 0, the global tensors of
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import socket
 import sys
 
@@ -160,7 +161,14 @@ def train(args, comm):
     options = {"parameters": {"NumAggregators": str(args.aggregators)}} if args.aggregators else None
     if args.fail_how == "elsewhere" and rank == args.fail_rank:
         args.run += ".elsewhere"  # a run directory the other ranks do not write to
-    ckpt = dh.Checkpointer(args.run, comm=comm, backend=args.backend, backend_options=options)
+    backend = args.backend
+    if args.fail_how == "backend" and rank == args.fail_rank:
+        backend = "hdf5" if backend != "hdf5" else "adios2"  # not the other ranks' backend
+    try:
+        ckpt = dh.Checkpointer(args.run, comm=comm, backend=backend, backend_options=options)
+    except dh.CheckpointError as exc:
+        report(f"rank {rank}: FAILURE open: {exc}")
+        return
     expected_dir = args.run + ".expected"
     os.makedirs(expected_dir, exist_ok=True)
     failures = []
@@ -174,17 +182,42 @@ def train(args, comm):
         opt.step()
         opt.zero_grad()
         extra = {"data": {"step": step}, "table": table}
-        if args.fail_how == "raise" and step == args.fail_step and rank == args.fail_rank:
+        if args.fail_how in ("raise", "truncate") and step == args.fail_step and rank == args.fail_rank:
             extra["bad"] = Unstorable()
         if args.fail_how == "extra" and step == args.fail_step and rank == args.fail_rank:
             extra["only_mine"] = torch.ones(4)  # a tensor the other ranks do not hold
+        fds = None
+        if args.fail_how == "fds" and step == args.fail_step and rank == args.fail_rank:
+            ckpt.wait()
+            fds = no_more_files()  # this rank cannot open the step's file: a real failure inside the backend
         try:
-            ckpt.write(step, model, opt, **extra)
+            if not (args.fail_how == "skip" and step == args.fail_step and rank == args.fail_rank):
+                ckpt.write(step, model, opt, **extra)
+            if fds is not None:
+                ckpt.wait()
         except (TypeError, dh.CheckpointError) as exc:
             failures.append(f"write {step}: {exc}")
+        finally:
+            if fds is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, fds)
         want = global_tensors(model, opt)
         if rank == 0:
             torch.save(want, os.path.join(expected_dir, f"{step}.pt"))
+    if args.fail_how == "truncate":  # rank 0 alone has reported the failed step when all truncate
+        if rank == 0:
+            try:
+                ckpt.wait()
+            except dh.CheckpointError as exc:
+                failures.append(f"wait: {exc}")
+        try:
+            report(f"rank {rank}: truncated {ckpt.truncate(after=1)}")
+        except dh.CheckpointError as exc:
+            failures.append(f"truncate: {exc}")
+    if args.fail_how == "one-more" and rank == args.fail_rank:
+        try:
+            ckpt.write(args.steps, model, opt)  # a step the other ranks do not write
+        except dh.CheckpointError as exc:
+            failures.append(f"write {args.steps}: {exc}")
     try:
         ckpt.close()
     except dh.CheckpointError as exc:
@@ -212,6 +245,15 @@ def fail_puts_at(step: int):
             return _original(self, name, array, start)
 
         cls.put = put
+
+
+def no_more_files() -> tuple[int, int]:
+    """Lower this process's limit of open files to those open now; the limits it had."""
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.close(fd)  # the lowest free descriptor: no file can be opened below the new limit
+    resource.setrlimit(resource.RLIMIT_NOFILE, (fd, limits[1]))
+    return limits
 
 
 def fail_open_at(step: int):
@@ -272,7 +314,13 @@ def main():
     p.add_argument("--aggregators", type=int, default=0, help="BP5 NumAggregators (MPI)")
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-step", type=int, default=-1)
-    p.add_argument("--fail-how", default=None, choices=["raise", "put", "open", "extra", "elsewhere"])
+    # raise: write() raises; put: a put fails; open: opening the step's writer fails; extra: a
+    # tensor this rank alone holds; elsewhere: another run directory; backend: another
+    # backend; fds: no file can be opened (a real failure); skip: write() not called at the
+    # step; one-more: a step more than the other ranks; truncate: raise, then every rank
+    # truncates after step 1 once rank 0 alone has reported the failure
+    p.add_argument("--fail-how", default=None, choices=["raise", "put", "open", "extra", "elsewhere", "backend",
+                                                        "fds", "skip", "one-more", "truncate"])
     args = p.parse_args()
     comm = init_distributed()
     try:
