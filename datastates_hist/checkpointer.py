@@ -134,8 +134,9 @@ class Checkpointer:
         except BaseException as exc:
             failure = exc
         # every rank learns whether every other one opened (the others would wait for it in
-        # write()), with the same backend (the ranks write each step together)
-        mine = [f"{type(failure).__name__}: {failure}", None] if failure else [None, self.backend_name]
+        # write()), with the same backend and keep= (the ranks write each step together)
+        mine = ([f"{type(failure).__name__}: {failure}", None, None] if failure else
+                [None, self.backend_name, repr(self.retention.keep)])
         verdict = _ranks_disagree(self.group.allgather(mine))
         if failure is not None or verdict is not None:
             self._give_back()
@@ -146,9 +147,9 @@ class Checkpointer:
         self.host_cache_bytes, self.piece_bytes = host_cache_bytes, piece_bytes
         self.refuse_nonfinite = refuse_nonfinite
         self._collector = Collector(self.group)
-        committer = Committer(self.path, self.backend, self.backend_name, self.group, self._collector.rng_prefix,
-                              self.retention)
-        self._pipeline = Pipeline(committer, host_cache_bytes, piece_bytes, refuse_nonfinite, self.key_every,
+        self._committer = Committer(self.path, self.backend, self.backend_name, self.group,
+                                    self._collector.rng_prefix, self.retention)
+        self._pipeline = Pipeline(self._committer, host_cache_bytes, piece_bytes, refuse_nonfinite, self.key_every,
                                   keep_up)
         self._trajectory_checked: tuple[str, ...] = ()
         self._last_step = self.index.latest()
@@ -329,7 +330,7 @@ class Checkpointer:
             after = integral(after)
         except TypeError:
             raise TypeError(f"truncate(after=...) needs a step number (int), got {after!r}") from None
-        return self._after_waiting(lambda: self._removing(
+        return self._after_waiting({"do": "truncate", "after": after}, lambda: self._removing(
             lambda: remove_steps(self.path, self.index, [s for s in self.index.steps() if s > after])))
 
     def prune(self, keep_last: int | None = None, keep_every: int | None = None,
@@ -339,23 +340,34 @@ class Checkpointer:
 
         self._check_open()
         rules = policies(keep_last, keep_every)
+        action = {"do": "prune", "keep_last": None if keep_last is None else rules[0].n,
+                  "keep_every": None if keep_every is None else rules[-1].k, "dry_run": bool(dry_run)}
         if dry_run:
-            return self._after_waiting(lambda: self._on_root(lambda: prune_index(self.path, self.index, rules, True)))
-        return self._after_waiting(lambda: self._removing(lambda: prune_index(self.path, self.index, rules)))
+            return self._after_waiting(action, lambda: self._on_root(
+                lambda: prune_index(self.path, self.index, rules, True)))
+        return self._after_waiting(action, lambda: self._removing(lambda: prune_index(self.path, self.index, rules)))
 
-    def _after_waiting(self, change):
+    def _after_waiting(self, action: dict, change):
         """``change()`` once every write is committed. A failure of an earlier step is raised
         first; with several ranks, after the change (as ``write()`` does): a rank may have
-        reported it already, and every rank must take part in the change."""
+        reported it already, and every rank must take part in the change, which they
+        first agree on (``action``: what it is, see :func:`commit.disagreement`)."""
         if self.group.size == 1:
             self.wait()
             return change()
+        failure = None
         try:
             self.wait()
         except CheckpointError as exc:
-            change()
-            raise exc
-        return change()
+            failure = exc
+        problem = self._committer.agree(action)  # the flusher is idle: no collective of its own now
+        if problem is not None:
+            raise CheckpointError(f"the ranks did not all call {action['do']}() on {self.path}, nothing was "
+                                  f"changed: {problem}") from failure
+        result = change()
+        if failure is not None:
+            raise failure
+        return result
 
     def _removing(self, change) -> list[int]:
         """Run ``change`` (removing steps, on rank 0); no later step is encoded against what
@@ -414,13 +426,16 @@ _OPEN: "set[Checkpointer]" = set()
 
 def _ranks_disagree(opened: list[list]) -> str | None:
     """Why the ranks cannot write together: ``opened`` holds each rank's ``[error,
-    backend]`` after opening; None when every rank opened with rank 0's backend."""
-    for rank, (error, backend) in enumerate(opened):
+    backend, keep]`` after opening; None when every rank opened with rank 0's backend
+    and policies."""
+    for rank, (error, backend, keep) in enumerate(opened):
         if error:
             return f"rank {rank}: {error}"
         if backend != opened[0][1]:
             return (f"rank {rank} writes with the backend {backend!r} and rank 0 with {opened[0][1]!r}: "
                     "pass the same backend= on every rank")
+        if keep != opened[0][2]:
+            return f"rank {rank} has keep={keep} and rank 0 keep={opened[0][2]}: pass the same keep= on every rank"
     return None
 
 

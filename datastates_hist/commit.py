@@ -64,20 +64,28 @@ class Committer:
         # why no rank may write any more (one closed its Checkpointer while another wrote)
         self.begun = False
         self.ended: str | None = None
+        self.warned: set[str] = set()  # plain values found to differ between ranks (rank 0's are kept)
+
+    def agree(self, action: dict) -> str | None:
+        """With several ranks: every rank says what it does next (``action``, see
+        :func:`disagreement`), so that no rank waits forever in a collective that another
+        never makes; why they may not go on, or None. A rank that closed while others
+        did something else ends the ranks' writing: every later action fails at once."""
+        if self.ended is None:
+            error, ended = disagreement(self.group.allgather(action))
+            if ended:
+                self.ended = error
+            return error
+        return self.ended
 
     def open_writers(self, ckpt) -> dict[str, StepWriter]:
         """The writers of ``ckpt``'s units: ``{"": main}``, and ``"restore"`` for a
         restore point written as two units. With several ranks, the ranks first agree
-        to begin the step (:func:`agree_to_begin`); RankFailure on every rank if not."""
+        to begin the step (:meth:`agree`); RankFailure on every rank if not."""
         folder = steps_dir(self.run_dir)
         if self.group.size > 1:
             self.begun = False
-            if self.ended is None:
-                error, ended = agree_to_begin(self.group, {"step": ckpt.step, "error": _describe(ckpt.error)})
-                if ended:
-                    self.ended = error
-            else:
-                error = self.ended
+            error = self.agree({"do": "write", "step": ckpt.step, "error": _describe(ckpt.error)})
             if error is not None:
                 raise RankFailure(f"the ranks did not all write step {ckpt.step}: {error}")
             self.begun = True
@@ -96,7 +104,12 @@ class Committer:
         still takes part, to agree on the outcome), then apply retention. Raises when
         the commit failed."""
         if self.index is None and self.group.root:
-            self.index = Index(self.run_dir, create=True)
+            try:
+                self.index = Index(self.run_dir, create=True)
+            except Exception as exc:
+                if self.group.size == 1:
+                    raise
+                ckpt.fail(exc)  # the other ranks learn it at the commit
         if self.group.size == 1:
             if ckpt.error is None:
                 commit_step(self.index, self.backend_name, ckpt.step, writers, records, ckpt.values)
@@ -108,9 +121,23 @@ class Committer:
         writer = writers.get("")
         own = {key: {k: v for k, v in ckpt.values.get(key, {}).items() if under(k, self.own_prefix)}
                for key in ("items", "objects")}
-        commit_collective(self.group, self.index, self.backend_name, ckpt, writer, records, own)
+        differ = commit_collective(self.group, self.index, self.backend_name, ckpt, writer, records, own,
+                                   _value_digests(ckpt.values.get("items", {}), self.own_prefix))
         if self.group.root:
+            self._warn_values_differ(ckpt.step, differ)
             self._apply_retention(ckpt.step)
+
+    def _warn_values_differ(self, step: int, differ: list[list]) -> None:
+        """Plain values are stored as rank 0 has them: say so, once per value, where another
+        rank's differs (a per-rank data position, say, would be lost without a word)."""
+        new = [(name, rank) for name, rank in differ if name not in self.warned]
+        if new:
+            self.warned.update(name for name, _ in new)
+            shown = ", ".join(f"{name!r} (rank {rank})" for name, rank in new[:5])
+            warnings.warn(f"datastates-hist: at step {step} of {self.run_dir}, other ranks' plain values differ "
+                          f"from rank 0's: {shown}{' and more' if len(new) > 5 else ''}; the history keeps rank "
+                          "0's (keep per-rank state in tensors, as blocks of a global tensor)",
+                          RuntimeWarning, stacklevel=1)
 
     def _apply_retention(self, step: int) -> None:
         """Retention after the commit of ``step``; a failure keeps more steps than asked,
@@ -128,10 +155,9 @@ class Committer:
         this one forever. Raises CheckpointError when they did not all write the same steps."""
         try:
             if self.group.size > 1 and self.ended is None:
-                self.ended, _ = agree_to_begin(self.group, {"closing": True})
-                if self.ended is not None:
-                    raise CheckpointError(f"the ranks did not all write the same steps to {self.run_dir}: "
-                                          f"{self.ended}")
+                error = self.agree({"do": "close"})
+                if error is not None:
+                    raise CheckpointError(f"the ranks did not all write the same steps to {self.run_dir}: {error}")
         finally:
             if self.index is not None:
                 self.index.close()
@@ -193,44 +219,68 @@ def _describe(exc: BaseException | None) -> str | None:
     return None if exc is None else f"{type(exc).__name__}: {exc}"
 
 
-def agree_to_begin(group, mine: dict) -> tuple[str | None, bool]:
-    """The ranks agree, before any of them opens a writer (whose collective calls would
-    wait for a rank that never makes them), that they all begin the same step:
-    ``mine`` is ``{"step": n, "error": why this rank's snapshot failed or None}``, or
-    ``{"closing": True}`` from :meth:`Committer.close`. Returns ``(error, ended)`` on
-    every rank: why the step may not begin (None: it may, or every rank closes), and
-    whether the ranks must stop writing (some closed while others wrote)."""
-    everyone = group.allgather(mine)  # each rank reaches the same verdict from the same list
-    closing = [r for r, g in enumerate(everyone) if g.get("closing")]
-    writing = [r for r, g in enumerate(everyone) if not g.get("closing")]
-    if closing and writing:
-        r, w = closing[0], writing[0]
-        return (f"rank {r} closed its Checkpointer while rank {w} wrote step {everyone[w]['step']}: "
-                "write() must be called on every rank with the same steps"), True
-    return (_first_error(everyone, everyone[0]["step"]) if writing else None), False
+def disagreement(everyone: list[dict]) -> tuple[str | None, bool]:
+    """Why the ranks may not go on, from what each does next (every rank reaches the same
+    verdict from the same list): ``{"do": "write", "step": n, "error": why its snapshot
+    failed or None}``, ``{"do": "close"}``, ``{"do": "truncate", "after": n}`` or
+    ``{"do": "prune", ...its arguments}``. Returns ``(error or None, ended)``: ``ended``
+    when some closed while others did something else (they must stop writing)."""
+    closing = [r for r, g in enumerate(everyone) if g["do"] == "close"]
+    other = next((r for r, g in enumerate(everyone) if g["do"] != "close"), None)
+    if closing and other is not None:
+        return (f"rank {closing[0]} {_doing(everyone[closing[0]])} while rank {other} {_doing(everyone[other])}: "
+                f"{ALIKE}"), True
+    first = {k: v for k, v in everyone[0].items() if k != "error"}
+    for rank, g in enumerate(everyone):
+        if {k: v for k, v in g.items() if k != "error"} != first:
+            rule = STEPS_ALIKE if g["do"] == first["do"] == "write" else ALIKE
+            return f"rank {rank} {_doing(g)} while rank 0 {_doing(first)}: {rule}", False
+    return next((f"rank {r} of {len(everyone)}: {g['error']}" for r, g in enumerate(everyone) if g.get("error")),
+                None), False
+
+
+STEPS_ALIKE = "write() must be called on every rank with the same steps"
+ALIKE = "write(), truncate(), prune() and close() must be called on every rank alike, in the same order"
+
+
+def _doing(action: dict) -> str:
+    if action["do"] == "write":
+        return f"wrote step {action['step']}"
+    if action["do"] == "close":
+        return "closed its Checkpointer"
+    arguments = ", ".join(f"{k}={v!r}" for k, v in action.items() if k not in ("do", "error"))
+    return f"called {action['do']}({arguments})"
+
+
+def _value_digests(items: dict, own_prefix: str) -> dict[str, int]:
+    """A checksum of each plain value every rank holds (not this rank's own)."""
+    return {name: checksum_bytes(json.dumps(value, sort_keys=True, allow_nan=True, separators=(",", ":")).encode())
+            for name, value in items.items() if not under(name, own_prefix)}
 
 
 def commit_collective(group, index: Index | None, backend: str, ckpt, writer, records: list[TensorRecord],
-                      own_values: dict) -> None:
+                      own_values: dict, value_digests: dict[str, int] | None = None) -> list[list]:
     """Commit ``ckpt`` on every rank of ``group`` together, or on none.
 
     ``own_values``: the plain values only this rank holds (its RNG states);
     rank 0's values stand for every other value. ``index`` is rank 0's.
-    Raises on every rank when any rank failed.
+    Raises on every rank when any rank failed. Returns, at rank 0 of a committed
+    step, ``[name, rank]`` of each plain value a rank holds otherwise than rank 0, the
+    first such rank (``value_digests``: a checksum of each, :func:`_value_digests`).
     """
     mine = {"step": ckpt.step, "error": _describe(ckpt.error),
             "records": [r.to_json() for r in records] if ckpt.error is None else [], "values": own_values,
-            "replicated": ckpt.replicated}
+            "replicated": ckpt.replicated, "digests": value_digests or {}}
     gathered = group.gather(mine)
     verdict, manifest, merged = {"error": None}, None, []
     if group.root:
         verdict["error"] = _first_error(gathered, ckpt.step)
-        if verdict["error"] is None:
-            problem = replicated_problem([g["replicated"] for g in gathered])
-            verdict["error"] = problem and f"rank 0 (comparing the ranks' tensors): {problem}"
-        if verdict["error"] is None:
-            parts = not writer.shared  # one file per rank (backends.ranks); rank 0's writer is open
-            try:
+        try:  # any exception becomes the verdict: the other ranks wait for it
+            if verdict["error"] is None:
+                problem = replicated_problem([g["replicated"] for g in gathered])
+                verdict["error"] = problem and f"rank 0 (comparing the ranks' tensors): {problem}"
+            if verdict["error"] is None:
+                parts = not writer.shared  # one file per rank (backends.ranks); rank 0's writer is open
                 merged = merge_records([g["records"] for g in gathered], parts)
                 values = {"items": dict(ckpt.values["items"]), "objects": dict(ckpt.values["objects"])}
                 for g in gathered:
@@ -238,8 +288,8 @@ def commit_collective(group, index: Index | None, backend: str, ckpt, writer, re
                         values[key].update(g["values"].get(key, {}))
                 manifest = manifest_bytes(ckpt.step, merged, values, world_size=group.size,
                                           layout="ranks" if parts else "shared")
-            except ValueError as exc:
-                verdict["error"] = f"rank 0 (merging the ranks' blocks): {exc}"
+        except Exception as exc:
+            verdict["error"] = f"rank 0 (merging the ranks' blocks): {_describe(exc)}"
     verdict = group.bcast(verdict)
     if verdict["error"] is None:  # every rank makes its bytes durable
         try:
@@ -260,6 +310,14 @@ def commit_collective(group, index: Index | None, backend: str, ckpt, writer, re
         _abort_all(group, writer)
         ckpt.fail(RankFailure(f"the ranks did not all write step {ckpt.step}: {verdict['error']}"))
         raise ckpt.error
+    if not group.root:
+        return []
+    ours, differ = gathered[0]["digests"], {}
+    for rank, g in enumerate(gathered[1:], start=1):
+        for name in sorted(set(ours) | set(g["digests"])):
+            if ours.get(name) != g["digests"].get(name):
+                differ.setdefault(name, rank)
+    return [[name, rank] for name, rank in differ.items()]
 
 
 def _first_error(gathered: list[dict], step: int) -> str | None:

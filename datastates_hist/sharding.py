@@ -182,12 +182,16 @@ def combine_stats(parts: list[tuple[int, dict]]) -> dict:
     if not parts:
         return {"nonfinite": nonfinite}
     total = sum(n for n, _ in parts)
-    mean = sum(n * s["mean"] for n, s in parts) / total
-    m2 = sum(n * s["std"] ** 2 + n * (s["mean"] - mean) ** 2 for n, s in parts)
+    mean = sum(n / total * s["mean"] for n, s in parts)
+    # squares taken of values scaled to at most 1: finite values near float64's largest
+    # would overflow (OverflowError from a Python float's ** 2)
+    spreads = [(n, s["std"], s["mean"] - mean) for n, s in parts]
+    scale = max((abs(v) for _, std, d in spreads for v in (std, d) if math.isfinite(v) and v), default=1.0)
+    m2 = sum(n * ((std / scale) ** 2 + (d / scale) ** 2) for n, std, d in spreads)
     nan = any(math.isnan(s["min"]) for _, s in parts)  # min() and max() would skip a NaN after a number
     return {
-        "norm": math.sqrt(sum(s["norm"] ** 2 for _, s in parts)),
+        "norm": math.hypot(*(s["norm"] for _, s in parts)),
         "min": math.nan if nan else min(s["min"] for _, s in parts),
         "max": math.nan if nan else max(s["max"] for _, s in parts),
-        "mean": mean, "std": math.sqrt(m2 / total) if m2 >= 0 else math.nan, "nonfinite": nonfinite,
+        "mean": mean, "std": scale * math.sqrt(m2 / total) if m2 >= 0 else math.nan, "nonfinite": nonfinite,
     }

@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import datastates_hist as dh
 from datastates_hist.sharding import merge_records, split_replicated
@@ -230,7 +231,8 @@ def test_a_rank_that_writes_a_step_more_fails_it_and_the_others_close(tmp_path, 
     out = launch(how, 2, "train", run, "--model", "ddp", "--backend", backend, "--steps", "3",
                  "--fail-rank", "0", "--fail-how", "one-more", timeout=HANG_S)
     assert re.findall(r"rank \d+: steps (\[.*\])", out) == ["[0, 1, 2]"] * 2, out
-    closed = r"rank 1 closed its Checkpointer while rank 0 wrote step 3: write\(\) must be called on every rank"
+    closed = (r"rank 1 closed its Checkpointer while rank 0 wrote step 3: write\(\), truncate\(\), prune\(\) and "
+              r"close\(\) must be called on every rank alike, in the same order")
     assert re.search(rf"rank 0: FAILURE close: checkpoint of step 3 .*not committed: .*{closed}", out), out
     assert re.search(rf"rank 1: FAILURE close: the ranks did not all write the same steps to .*{closed}", out), out
 
@@ -260,6 +262,69 @@ def test_truncate_after_a_failure_one_rank_has_reported_truncates_on_every_rank(
     assert re.findall(r"rank \d+: truncated (\[.*\])", out) == ["[2, 3]"], out  # rank 0's; rank 1 raised
     assert re.search(r"rank 0: FAILURE wait: checkpoint of step 4 .*rank 1 of 2: ", out), out
     assert re.search(r"rank 1: FAILURE truncate: checkpoint of step 4 .*not committed", out), out
+
+
+@pytest.mark.parametrize("how", [pytest.param("mpirun", marks=needs_mpi), "torchrun"])
+def test_truncate_on_one_rank_while_the_others_close_changes_nothing(tmp_path, how):
+    run = str(tmp_path / "run")
+    out = launch(how, 2, "train", run, "--model", "ddp", "--steps", "4", "--fail-rank", "1",
+                 "--fail-how", "truncate-one", timeout=HANG_S)
+    assert re.findall(r"rank \d+: steps (\[.*\])", out) == ["[0, 1, 2, 3]"] * 2, out
+    why = (r"rank 0 closed its Checkpointer while rank 1 called truncate\(after=1\): write\(\), truncate\(\), "
+           r"prune\(\) and close\(\) must be called on every rank alike")
+    assert re.search(rf"rank 1: FAILURE truncate: the ranks did not all call truncate\(\) on .*nothing was "
+                     rf"changed: {why}", out), out
+    assert re.search(rf"rank 0: FAILURE close: the ranks did not all write the same steps to .*{why}", out), out
+
+
+@pytest.mark.parametrize("how", [pytest.param("mpirun", marks=needs_mpi), "torchrun"])
+def test_ranks_opening_with_different_keep_policies_all_fail_to_open(tmp_path, how):
+    """keep= on rank 1 alone was ignored without a word (rank 0 applies retention)."""
+    run = str(tmp_path / "run")
+    out = launch(how, 2, "train", run, "--model", "ddp", "--fail-rank", "1", "--fail-how", "keep", timeout=HANG_S)
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: FAILURE open: not every rank could open .* for writing: rank 1 has "
+                         r"keep=KeepLast\(n=2\) and rank 0 keep=None: pass the same keep= on every rank", out), out
+
+
+@pytest.mark.parametrize("how, backend", BOTH)
+def test_rank_0_failing_to_open_the_index_fails_the_step_on_every_rank(tmp_path, how, backend):
+    run = str(tmp_path / "run")
+    out = launch(how, 2, "train", run, "--model", "ddp", "--backend", backend, "--steps", "3",
+                 "--fail-how", "index", timeout=HANG_S)
+    assert re.findall(r"rank \d+: steps (\[.*\])", out) == ["[1, 2]"] * 2, out
+    assert re.search(r"rank 0: FAILURE .*step 0 .*not committed: OSError: injected failure to open the index", out)
+    assert re.search(r"rank 1: FAILURE .*step 0 .*rank 0 of 2: OSError: injected failure to open the index", out), out
+
+
+@pytest.mark.parametrize("how", [pytest.param("mpirun", marks=needs_mpi), "torchrun"])
+def test_finite_values_whose_squares_overflow_are_committed_with_their_statistics(tmp_path, how):
+    """Rank 0 merging the blocks' statistics raised OverflowError (not caught: the other
+    ranks waited for its verdict forever). The merged statistics are those of one process."""
+    run = str(tmp_path / "run")
+    out = launch(how, 2, "train", run, "--model", "ddp", "--steps", "2", "--fail-how", "huge", timeout=HANG_S)
+    assert re.findall(r"rank \d+: steps (\[.*\])", out) == ["[0, 1]"] * 2, out
+    huge = torch.full((4, 8), 2e200, dtype=torch.float64)
+    with dh.Checkpointer(str(tmp_path / "one")) as one:  # the statistics of one process, for the same tensor
+        one.write(0, torch.nn.Linear(1, 1), huge=huge)
+    stats = ["mean", "std", "norm", "min", "max"]
+    with dh.open(run) as h, dh.open(str(tmp_path / "one")) as alone:
+        assert torch.equal(h.read("extra/huge", 1), huge)
+        row = h.tensors(1).set_index("name").loc["extra/huge", stats]
+        assert row.equals(alone.tensors(0).set_index("name").loc["extra/huge", stats]), row
+        assert (row["mean"], row["min"], row["max"]) == (2e200, 2e200, 2e200)
+
+
+@pytest.mark.parametrize("how", [pytest.param("mpirun", marks=needs_mpi), "torchrun"])
+def test_a_plain_value_that_differs_between_ranks_is_rank_0s_and_said_once(tmp_path, how):
+    run = str(tmp_path / "run")
+    out = launch(how, 2, "train", run, "--model", "ddp", "--steps", "3", "--fail-how", "values", timeout=HANG_S)
+    assert re.findall(r"rank \d+: steps (\[.*\])", out) == ["[0, 1, 2]"] * 2, out
+    said = re.findall(r"RuntimeWarning: datastates-hist: at step (\d+) of .*, other ranks' plain values differ from "
+                      r"rank 0's: 'extra/loader' \(rank 1\); the history keeps rank 0's", out)
+    assert said == ["0"], out
+    with dh.open(run) as h:
+        assert [h.step_data(s).values["items"]["extra/loader"] for s in range(3)] == [{"position": s} for s in range(3)]
 
 
 def _suffix(how: str, backend: str) -> str:

@@ -24,8 +24,9 @@ When several ranks write one step (``begin_step(steps_dir, step, group)``),
 rank 0 passes the manifest; each rank makes its own bytes durable), then rank 0
 alone calls ``writer.publish()`` once every rank has sealed. If any rank
 failed, every rank calls ``writer.abort()`` instead (``writer.abandon()`` when
-some rank has no writer to abort with), and rank 0 then ``writer.remove()``. ``define`` then gets ``block=(global_shape, offset)`` for
-a tensor that is a block of a larger one. By default each rank writes its own
+some rank has no writer to abort with), and rank 0 then ``writer.remove()``.
+``define`` then gets ``block=(global_shape, offset)`` for a tensor that is a
+block of a larger one. By default each rank writes its own
 file inside the step's folder (:mod:`.ranks`); a backend may instead write one
 shared file collectively, and its writer says so with ``shared = True``.
 

@@ -164,8 +164,11 @@ def train(args, comm):
     backend = args.backend
     if args.fail_how == "backend" and rank == args.fail_rank:
         backend = "hdf5" if backend != "hdf5" else "adios2"  # not the other ranks' backend
+    keep = dh.KeepLast(2) if args.fail_how == "keep" and rank == args.fail_rank else None
+    if args.fail_how == "index" and rank == 0:
+        fail_index_once()
     try:
-        ckpt = dh.Checkpointer(args.run, comm=comm, backend=backend, backend_options=options)
+        ckpt = dh.Checkpointer(args.run, comm=comm, backend=backend, backend_options=options, keep=keep)
     except dh.CheckpointError as exc:
         report(f"rank {rank}: FAILURE open: {exc}")
         return
@@ -182,6 +185,10 @@ def train(args, comm):
         opt.step()
         opt.zero_grad()
         extra = {"data": {"step": step}, "table": table}
+        if args.fail_how == "values":  # a plain value of each rank's own
+            extra["loader"] = {"position": 1000 * rank + step}
+        if args.fail_how == "huge":  # finite, but squares overflow a float64
+            extra["huge"] = torch.full((4, 8), 1e200, dtype=torch.float64) * (step + 1)
         if args.fail_how in ("raise", "truncate") and step == args.fail_step and rank == args.fail_rank:
             extra["bad"] = Unstorable()
         if args.fail_how == "extra" and step == args.fail_step and rank == args.fail_rank:
@@ -211,6 +218,11 @@ def train(args, comm):
                 failures.append(f"wait: {exc}")
         try:
             report(f"rank {rank}: truncated {ckpt.truncate(after=1)}")
+        except dh.CheckpointError as exc:
+            failures.append(f"truncate: {exc}")
+    if args.fail_how == "truncate-one" and rank == args.fail_rank:  # the others close meanwhile
+        try:
+            ckpt.truncate(after=1)
         except dh.CheckpointError as exc:
             failures.append(f"truncate: {exc}")
     if args.fail_how == "one-more" and rank == args.fail_rank:
@@ -254,6 +266,22 @@ def no_more_files() -> tuple[int, int]:
     os.close(fd)  # the lowest free descriptor: no file can be opened below the new limit
     resource.setrlimit(resource.RLIMIT_NOFILE, (fd, limits[1]))
     return limits
+
+
+def fail_index_once():
+    """Make rank 0's first opening of the index for a commit fail (the Checkpointer's own
+    opening, in the constructor, comes first and works)."""
+    from datastates_hist import commit
+
+    original, calls = commit.Index, []
+
+    def index(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("injected failure to open the index")
+        return original(*args, **kwargs)
+
+    commit.Index = index
 
 
 def fail_open_at(step: int):
@@ -318,9 +346,13 @@ def main():
     # tensor this rank alone holds; elsewhere: another run directory; backend: another
     # backend; fds: no file can be opened (a real failure); skip: write() not called at the
     # step; one-more: a step more than the other ranks; truncate: raise, then every rank
-    # truncates after step 1 once rank 0 alone has reported the failure
-    p.add_argument("--fail-how", default=None, choices=["raise", "put", "open", "extra", "elsewhere", "backend",
-                                                        "fds", "skip", "one-more", "truncate"])
+    # truncates after step 1 once rank 0 alone has reported the failure; truncate-one: this
+    # rank alone truncates; keep: this rank alone has keep=; index: rank 0 cannot open the
+    # index at its first commit; huge: every rank writes finite values whose squares overflow;
+    # values: every rank writes a plain value of its own
+    p.add_argument("--fail-how", default=None, choices=[
+        "raise", "put", "open", "extra", "elsewhere", "backend", "fds", "skip", "one-more", "truncate",
+        "truncate-one", "keep", "index", "huge", "values"])
     args = p.parse_args()
     comm = init_distributed()
     try:
