@@ -28,7 +28,7 @@ from .layout import (MAX_STEP, WRITER_LOCK, finished_units, index_path, integral
                      take_writer_lock)
 from .pipeline import Pipeline, checkpoint_failed
 from .restore import Restored, restore_step
-from .retention import Retention, check_codec, check_policy, check_trajectory, key_every_count
+from .retention import Retention, check_codec, check_policy, check_trajectory, key_every_count, policy_key
 
 DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_PIECE_BYTES = 64 << 20
@@ -133,11 +133,15 @@ class Checkpointer:
             self.backend = make_backend(self.backend_name, backend_options)
         except BaseException as exc:
             failure = exc
-        # every rank learns whether every other one opened (the others would wait for it in
-        # write()), with the same backend and keep= (the ranks write each step together)
-        mine = ([f"{type(failure).__name__}: {failure}", None, None] if failure else
-                [None, self.backend_name, repr(self.retention.keep)])
-        verdict = _ranks_disagree(self.group.allgather(mine))
+        try:
+            # every rank learns whether every other one opened (the others would wait for it
+            # in write()), with the same backend and keep= (the ranks write each step together)
+            mine = ([f"{type(failure).__name__}: {failure}", None, None] if failure else
+                    [None, self.backend_name, policy_key(self.retention.keep)])
+            verdict = _ranks_disagree(self.group.allgather(mine))
+        except BaseException:
+            self._give_back()
+            raise
         if failure is not None or verdict is not None:
             self._give_back()
             if failure is not None:
@@ -302,7 +306,8 @@ class Checkpointer:
         try:
             self._pipeline.close()  # with several ranks, raises if they did not all write the same steps
         except BaseException as exc:
-            error = error or exc  # the failed steps' error says more
+            if error is None:  # else the failed steps' error says more
+                error = exc
         finally:
             self._give_back()
         if error is not None:
@@ -362,8 +367,7 @@ class Checkpointer:
             failure = exc
         problem = self._committer.agree(action)  # the flusher is idle: no collective of its own now
         if problem is not None:
-            raise CheckpointError(f"the ranks did not all call {action['do']}() on {self.path}, nothing was "
-                                  f"changed: {problem}") from failure
+            raise CheckpointError(f"{action['do']}() changed nothing in {self.path}: {problem}") from failure
         result = change()
         if failure is not None:
             raise failure

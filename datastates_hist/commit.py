@@ -49,8 +49,10 @@ class Committer:
     commits the step, alone or together with every rank of ``group``.
 
     Its methods run on the flusher thread, which owns its SQLite connection (a
-    connection belongs to one thread). ``own_prefix``: the values under it are this
-    rank's own (its RNG states); every other value is the same on every rank.
+    connection belongs to one thread); :meth:`agree` and :meth:`close` also in the
+    caller's thread, once the flusher is idle or stopped. ``own_prefix``: the values
+    under it are this rank's own (its RNG states); every other value is the same on
+    every rank.
     """
 
     def __init__(self, run_dir: str, backend, backend_name: str, group, own_prefix: str,

@@ -1,9 +1,11 @@
 """The processes that write one history together, and the few collectives they need.
 
-A Checkpointer with ``comm=`` runs on every rank of a job. Its background
-threads agree on each commit through a private copy of the job's communicator
-(an mpi4py ``Comm.Dup()``, or a new gloo group of ``torch.distributed``), so
-that their collectives never interleave with the training loop's.
+A Checkpointer with ``comm=`` runs on every rank of a job. Its ranks agree (on
+each step, in its flusher thread; on the constructor, truncate, prune and close, in
+the caller's thread once the flusher is idle) through a private copy of the job's
+communicator (an mpi4py ``Comm.Dup()``, or a new gloo group of
+``torch.distributed``), so that their collectives never interleave with the
+training loop's. One thread of a process at a time makes them.
 
 Messages are small JSON documents (tensor records, verdicts); tensor bytes
 never travel between ranks.
@@ -64,18 +66,24 @@ class MPIGroup(Group):
         self.ranks_per_node = self.mpi_comm.allreduce(local.Get_size(), op=MPI.MAX)
         local.Free()
 
+    # Each message is encoded before the ranks meet: an object that cannot be encoded
+    # raises before this rank takes part in any collective, not between two of them.
+
     def gather(self, obj):
+        text = _encode(obj)
         self._arrive()
-        got = self.mpi_comm.gather(_encode(obj), root=0)
+        got = self.mpi_comm.gather(text, root=0)
         return [_decode(g) for g in got] if got is not None else None
 
     def bcast(self, obj):
+        text = _encode(obj) if self.root else None
         self._arrive()
-        return _decode(self.mpi_comm.bcast(_encode(obj) if self.root else None, root=0))
+        return _decode(self.mpi_comm.bcast(text, root=0))
 
     def allgather(self, obj):
+        text = _encode(obj)
         self._arrive()
-        return [_decode(g) for g in self.mpi_comm.allgather(_encode(obj))]
+        return [_decode(g) for g in self.mpi_comm.allgather(text)]
 
     def barrier(self):
         self._arrive()

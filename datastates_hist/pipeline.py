@@ -22,6 +22,7 @@ from .cache import HostCache
 from .commit import Committer
 from .errors import CheckpointError
 from .flush import Flusher
+from .layout import integral
 from .snapshot import PendingCheckpoint, Snapshotter
 
 
@@ -56,6 +57,10 @@ class Pipeline:
     def submit_failed(self, step: int, exc: BaseException) -> None:
         """Queue a failed placeholder of ``step``: with several ranks, the other ranks'
         flushers wait at the commit for this rank's word on every step."""
+        try:  # the step as the other ranks compare it (a numpy integer, say, is not JSON)
+            step = integral(step)
+        except TypeError:
+            step = repr(step)
         ckpt = PendingCheckpoint(step, [], {"items": {}, "objects": {}})
         ckpt.fail(exc)
         self._start(ckpt)

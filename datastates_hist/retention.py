@@ -99,6 +99,17 @@ class KeepAny(Policy):
         return any(rule.keeps_for_good(step) for rule in self.rules)
 
 
+def policy_key(keep: Policy | None) -> str:
+    """What ``keep`` keeps, as text that ranks compare: the rules of ``a | b`` in any
+    order alike; a policy whose text would name its address, by its class alone."""
+    if keep is None:
+        return "None"
+    if isinstance(keep, KeepAny):
+        return " | ".join(sorted({policy_key(rule) for rule in keep.rules}))
+    text = repr(keep)
+    return type(keep).__qualname__ if " at 0x" in text else text
+
+
 def check_policy(keep) -> Policy | None:
     """``keep`` if it is a policy (or None); a clear TypeError otherwise."""
     if keep is None or isinstance(keep, Policy):

@@ -190,7 +190,7 @@ def combine_stats(parts: list[tuple[int, dict]]) -> dict:
     m2 = sum(n * ((std / scale) ** 2 + (d / scale) ** 2) for n, std, d in spreads)
     nan = any(math.isnan(s["min"]) for _, s in parts)  # min() and max() would skip a NaN after a number
     return {
-        "norm": math.hypot(*(s["norm"] for _, s in parts)),
+        "norm": math.nan if any(math.isnan(s["norm"]) for _, s in parts) else math.hypot(*(s["norm"] for _, s in parts)),
         "min": math.nan if nan else min(s["min"] for _, s in parts),
         "max": math.nan if nan else max(s["max"] for _, s in parts),
         "mean": mean, "std": scale * math.sqrt(m2 / total) if m2 >= 0 else math.nan, "nonfinite": nonfinite,

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..boxes import overlap
 from ..durable import fsync_tree, remove_tree
-from ..layout import unit_name
+from ..layout import PARTIAL, unit_name
 from . import _adios2_capi as capi
 from ._stderr import stderr_kept
 from .base import Backend, StagedStepWriter
@@ -53,7 +53,15 @@ class Adios2StepWriter(StagedStepWriter):
 
     def __init__(self, final: str, parameters: dict[str, str], comm=None):
         root = comm is None or comm.Get_rank() == 0
-        super().__init__(final, clean=root)
+        try:
+            super().__init__(final, clean=root)  # rank 0 removes what a crash left
+        except Exception as exc:
+            failed = exc
+        else:
+            failed = None
+        # the ranks learn whether rank 0 could, before the collective calls below
+        if (comm.allreduce(int(failed is not None)) if comm is not None else failed is not None):
+            raise failed or RuntimeError(f"rank 0 could not remove {final}{PARTIAL}, left by a crash")
         self.root = root
         self.adios = capi.Adios(comm)
         try:
@@ -147,9 +155,11 @@ class Adios2CollectiveWriter(Adios2StepWriter):
         self.file.perform_puts()
 
     def seal(self, manifest):
-        if manifest is not None:
-            self.write_manifest(manifest)
-        self.close_files()  # collective
+        try:
+            if manifest is not None:
+                self.write_manifest(manifest)
+        finally:
+            self.close_files()  # collective: every rank closes, even where the manifest failed
         if self.root:
             fsync_tree(self.tmp)
 

@@ -187,8 +187,9 @@ def train(args, comm):
         extra = {"data": {"step": step}, "table": table}
         if args.fail_how == "values":  # a plain value of each rank's own
             extra["loader"] = {"position": 1000 * rank + step}
-        if args.fail_how == "huge":  # finite, but squares overflow a float64
-            extra["huge"] = torch.full((4, 8), 1e200, dtype=torch.float64) * (step + 1)
+        if args.fail_how == "huge":  # finite, but squares overflow a float64; each rank's half its own sign
+            extra["huge"] = torch.full((4, 8), 1e200 * (step + 1), dtype=torch.float64)
+            extra["huge"][2:] *= -1
         if args.fail_how in ("raise", "truncate") and step == args.fail_step and rank == args.fail_rank:
             extra["bad"] = Unstorable()
         if args.fail_how == "extra" and step == args.fail_step and rank == args.fail_rank:
