@@ -14,6 +14,7 @@ never travel between ranks.
 from __future__ import annotations
 
 import json
+import numbers
 import time
 from typing import Any
 
@@ -65,9 +66,6 @@ class MPIGroup(Group):
         self.nodes = self.mpi_comm.allreduce(1 if local.Get_rank() == 0 else 0)
         self.ranks_per_node = self.mpi_comm.allreduce(local.Get_size(), op=MPI.MAX)
         local.Free()
-
-    # Each message is encoded before the ranks meet: an object that cannot be encoded
-    # raises before this rank takes part in any collective, not between two of them.
 
     def gather(self, obj):
         text = _encode(obj)
@@ -155,8 +153,17 @@ def as_group(comm: Any) -> Group:
 
 
 # Messages cross as JSON text, so what one rank sends can only ever be data to another.
+# Encoding never raises: a rank that skipped a collective would leave the others waiting
+# in it, so what JSON has no form for goes as a number (numpy's) or as its repr, which
+# the other ranks then see differ.
 def _encode(obj: Any) -> str:
-    return json.dumps(obj, allow_nan=True, separators=(",", ":"))
+    return json.dumps(obj, allow_nan=True, separators=(",", ":"), default=_as_data)
+
+
+def _as_data(value: Any) -> int | float | str:
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    return float(value) if isinstance(value, numbers.Real) else repr(value)
 
 
 def _decode(text: str) -> Any:
