@@ -8,20 +8,21 @@ through snapshot -> flush -> commit in the background, and :mod:`layout` /
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
 import os
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
+from . import lifetime
 from .backends import get_backend, make_backend
 from .cache import ALIGN
 from .collect import Collector, step_number
 from .commit import Committer, remove_uncommitted
-from .errors import CheckpointError, CorruptionError, StepNotFoundError, StepOrderError
+from .errors import CheckpointError, CorruptionError, StepNotFoundError, StepOrderError, StoreLockedError
 from .group import as_group
 from .index import Index
 from .layout import (MAX_STEP, WRITER_LOCK, finished_units, index_path, integral, run_path, steps_dir,
@@ -112,6 +113,7 @@ class Checkpointer:
             raise ValueError("trajectory= is for runs written by one process; with several ranks, "
                              "keep= alone removes the restore points it lets go")
         self._lock_fd = None
+        self._pid = os.getpid()  # a process forked from this one must not use it
         self.index = None
         # rank 0 opens the run; every rank learns whether that worked
         failure = None
@@ -160,8 +162,9 @@ class Checkpointer:
         self._write_seconds = 0.0
         self.writes = 0
         self.closed = False
-        _OPEN.add(self)
-        _close_first_at_exit()  # the backend's library may have registered its exit handler just now
+        self._finished: threading.Event | None = None  # set once the steps in flight at an interrupted close() are
+        self._background_error: BaseException | None = None  # what failed while they were finished
+        lifetime.hold(self)
 
     def _open_run(self, backend: str | None) -> None:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
@@ -176,7 +179,14 @@ class Checkpointer:
             raise PermissionError(f"the run directory {self.path} is not writable: {_why_not_writable(self.path)}")
         lock_path = os.path.join(self.path, WRITER_LOCK)
         new_lock = not os.path.lexists(lock_path)
-        self._lock_fd = take_writer_lock(self.path)
+        try:
+            self._lock_fd = take_writer_lock(self.path)
+        except StoreLockedError:
+            if lifetime.finishing(self.path):
+                raise StoreLockedError(
+                    f"{self.path} is being written by a Checkpointer of this process whose close() was interrupted: "
+                    "it still writes the steps it had in flight (call its close() again to wait for them)") from None
+            raise
         try:
             _check_index_exists(self.path)
             self.index = Index(self.path, create=True, backend=backend or "adios2")
@@ -189,12 +199,25 @@ class Checkpointer:
             self._give_back()
             raise
 
-    def _give_back(self) -> None:
-        """Close the index and give the lock back (a failed open must not block the next one)."""
+    def _give_back(self, report_pending: bool = False) -> None:
+        """Close the index and give the lock back (a failed open must not block the next one).
+        ``report_pending``: an error is still to be reported by close() or at exit."""
         if self.index is not None:
             self.index.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
+            self._lock_fd = None
+        if not report_pending:
+            lifetime.release(self)
+
+    def inherited(self) -> None:
+        """In a child made by fork: close the child's copy of the writer lock (the
+        parent's close() must give the run back while the child lives); nothing to wait
+        for there (the threads that would end the waits are the parent's)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        self._pipeline.inherited()
 
     # --- writing ------------------------------------------------------------------------
 
@@ -213,10 +236,12 @@ class Checkpointer:
             self._raise_failures()
             self._issue(step, model, optimizer, extra)
         else:
+            issued = self.writes
             try:
                 self._issue(step, model, optimizer, extra)
             except BaseException as exc:  # the other ranks' flushers wait for this rank's word on the step
-                self._pipeline.submit_failed(step, exc)
+                if self.writes == issued:
+                    self._pipeline.submit_failed(step, exc)
                 raise
             finally:
                 self._write_seconds += time.perf_counter() - t0
@@ -258,9 +283,14 @@ class Checkpointer:
         if not (ckpt.tensors and ckpt.tensors[0].volatile):  # volatile ones come first
             ckpt.volatile_done.set()  # nothing for the next forward to wait for
         self._pipeline.wait_snapshot()  # the previous one's
-        self._pipeline.submit(ckpt, model, optimizer)
-        self._last_step = step
-        self.writes += 1
+        before = self._last_step, self.writes
+        try:
+            self._last_step, self.writes = step, self.writes + 1
+            self._pipeline.submit(ckpt, model, optimizer)
+        except BaseException as exc:  # a Ctrl-C may land after it reached the snapshot thread: it goes on
+            if self._pipeline.withdraw(ckpt, exc):
+                self._last_step, self.writes = before
+            raise
 
     def _check_trajectory(self, ckpt) -> None:
         """A trajectory must name some tensor (checked when the names change)."""
@@ -274,10 +304,12 @@ class Checkpointer:
     def wait_snapshot(self) -> None:
         """Wait until the last write's tensors are copied; call it before editing
         parameters in place outside the optimizer."""
+        self._check_process()
         self._pipeline.wait_snapshot()
 
     def wait(self) -> None:
         """Block until every issued write is committed; raise the first failure."""
+        self._check_process()
         self._pipeline.wait()
         self._raise_failures()
 
@@ -288,12 +320,32 @@ class Checkpointer:
                 self._last_step = self.index.latest()
             raise checkpoint_failed(self.path, failed) from failed[0].error
 
+    def _check_process(self) -> None:
+        if self._pid != os.getpid():
+            raise RuntimeError(f"the Checkpointer of {self.path} belongs to process {self._pid}, which this "
+                               "one was forked from: a forked process cannot use it (open a History to read)")
+
     def _check_open(self) -> None:
+        self._check_process()
         if self.closed:
             raise RuntimeError(f"the Checkpointer of {self.path} is closed")
 
     def close(self) -> None:
-        """Wait for every write to commit, then release threads, hooks and the lock."""
+        """Wait for every write to commit, then release threads, hooks and the lock.
+
+        Interrupted (a second Ctrl-C while it waits), the steps in flight are finished
+        in the background and the run stays locked until they are: no other writer may
+        start on it meanwhile. close() again, or the program's end, waits for them. In a process forked from
+        the one that opened it, close() does nothing (the parent's threads write)."""
+        if self._pid != os.getpid():
+            return
+        if self._finished is not None:  # an interrupted close() finishes in the background
+            self._finished.wait()
+            error, self._background_error = self._background_error, None
+            lifetime.release(self)
+            if error is not None:
+                raise error
+            return
         if self.closed:
             return
         error = None
@@ -302,16 +354,45 @@ class Checkpointer:
         except BaseException as exc:
             error = exc
         self.closed = True
-        _OPEN.discard(self)
         try:
             self._pipeline.close()  # with several ranks, raises if they did not all write the same steps
         except BaseException as exc:
             if error is None:  # else the failed steps' error says more
                 error = exc
         finally:
-            self._give_back()
+            if self._pipeline.busy:
+                self._finish_in_background()
+            else:
+                self._give_back()
+        failed = [] if self._pipeline.busy else self._pipeline.failures()  # after a wait() cut short
+        if failed:
+            found = checkpoint_failed(self.path, failed)
+            if error is None:
+                raise found from failed[0].error
+            error.add_note(f"datastates-hist: {found}")
         if error is not None:
             raise error
+
+    def _finish_in_background(self) -> None:
+        """The rest of an interrupted close(), on a thread; what fails there is raised by
+        close() called again, or printed by the exit handler, which waits for it too."""
+        def finish() -> None:
+            try:
+                self._pipeline.close()
+                failed = self._pipeline.failures()
+                if failed:
+                    raise checkpoint_failed(self.path, failed) from failed[0].error
+            except BaseException as exc:
+                self._background_error = exc
+            finally:
+                self._give_back(report_pending=self._background_error is not None)
+                self._finished.set()
+
+        self._finished = threading.Event()
+        threading.Thread(target=finish, name="dh-close", daemon=True).start()
+        warnings.warn(f"datastates-hist: close() of {self.path} was interrupted while steps were being written: "
+                      "they are finished in the background, and the run stays locked until they are "
+                      "(close() again, or the program's end, waits for them)", RuntimeWarning, stacklevel=3)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -423,11 +504,6 @@ class Checkpointer:
                             rank=self.group.rank, world_size=self.group.size)
 
 
-# Held strongly until close(): a Checkpointer the program dropped without closing it
-# still has steps in flight, which the exit handler commits.
-_OPEN: "set[Checkpointer]" = set()
-
-
 def _ranks_disagree(opened: list[list]) -> str | None:
     """Why the ranks cannot write together: ``opened`` holds each rank's ``[error,
     backend, keep]`` after opening; None when every rank opened with rank 0's backend
@@ -455,34 +531,6 @@ def _check_index_exists(run_dir: str) -> None:
             f"({index_path(run_dir)} is "
             f"missing); nothing was changed. Rebuild the index with: datastates-hist repair {run_dir}"
         )
-
-
-def _close_at_exit() -> None:
-    """Commit what was issued when the program ends without close()."""
-    for ckpt in list(_OPEN):
-        try:
-            ckpt.close()
-        except Exception as exc:  # the program is ending: report, do not raise
-            print(f"datastates-hist: {exc}", file=sys.stderr)
-
-
-def _close_first_at_exit() -> None:
-    """Make :func:`_close_at_exit` the newest exit handler, so that it runs first (atexit
-    runs the newest first): it must finish the flusher's writes before the storage
-    libraries' own exit handlers run (h5py unregisters its type converters: a write still
-    in flight then fails, or crashes the process). They register theirs when first
-    imported, which may be after this module was: when a backend is first used, or
-    later by the program."""
-    atexit.unregister(_close_at_exit)
-    atexit.register(_close_at_exit)
-
-
-atexit.register(_close_at_exit)
-if hasattr(threading, "_register_atexit"):
-    # threading's exit callbacks run before any atexit handler (and before non-daemon
-    # threads are joined): moving ours to the newest there covers every library
-    # imported before the program ended. MPI's finalize (mpi4py) runs after atexit.
-    threading._register_atexit(_close_first_at_exit)
 
 
 def _why_not_writable(path: str) -> str:

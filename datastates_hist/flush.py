@@ -102,10 +102,19 @@ class Flusher:
         self.unwritten: list = []  # regions (and encoded bytes) put to the writers, not yet written out
         self.unwritten_bytes = 0
         self.flush_seconds = 0.0
+        # set when the thread is done (Thread.join() interrupted by Ctrl-C may leave the
+        # thread marked as stopped while it runs: CPython 3.11, bpo-45274's fix)
+        self.ended = threading.Event()
         self.thread = threading.Thread(target=self._run, name="dh-flush", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.ended.set()
+
+    def _serve(self) -> None:
         if self.keep_up is True:
             _yield_cpu()
         current: _Step | None = None

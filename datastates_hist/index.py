@@ -12,10 +12,12 @@ against the unit names the row's backend (found in the registry) writes.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sqlite3
 import time
+import weakref
 from dataclasses import dataclass
 
 from .errors import CorruptionError, FormatError, StoreNotFoundError
@@ -139,6 +141,8 @@ class Index:
     def __init__(self, run_dir: str, create: bool = False, backend: str | None = None):
         self.path, self.run_dir = index_path(run_dir), run_dir
         self.conn = None
+        self.inherited = False  # by a child made by fork: never closed there
+        _OPEN.add(self)
         try:
             existed = os.path.exists(self.path)
             if not existed and not create:
@@ -300,6 +304,11 @@ class Index:
                 "UPDATE steps SET tier='trajectory', nbytes=(SELECT COALESCE(SUM(nbytes), 0) FROM tensors"
                 " WHERE step=?), ntensors=(SELECT COUNT(*) FROM tensors WHERE step=?) WHERE step=?",
                 (step, step, step))
+
+    def tensor_parts(self, step: int) -> list[tuple[str, str, int | None]]:
+        """``(name, unit part, keep_bits)`` of each tensor of ``step`` (keep_bits None: exact)."""
+        bits = "keep_bits" if "keep_bits" in self._tensor_columns else "NULL"
+        return self._read(f"SELECT name, part, {bits} FROM tensors WHERE step=? ORDER BY name", (step,))
 
     def steps_with_restore_rows(self) -> set[int]:
         """The steps whose restore unit has tensor rows (a demotion drops them)."""
@@ -470,8 +479,28 @@ class Index:
             raise self._error(exc) from exc
 
     def close(self) -> None:
-        if self.conn is not None:
+        if self.conn is not None and not self.inherited:
             self.conn.close()
+        _OPEN.discard(self)
+
+
+_OPEN: "weakref.WeakSet[Index]" = weakref.WeakSet()
+
+
+def _never_closed_in_child() -> None:
+    """SQLite connections must not cross a fork, not even to be closed: another thread
+    of the parent (the flusher, committing) may have held one of SQLite's mutexes at
+    the fork, and the child's close at its exit would wait for it forever. A child
+    made by fork (a DataLoader worker) keeps the connections it inherited, untouched,
+    until it ends: each gets a reference that is never given back."""
+    for index in list(_OPEN):
+        index.inherited = True
+        if index.conn is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(index.conn))
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_never_closed_in_child)
 
 
 def open_existing(run_dir: str) -> "Index":

@@ -41,6 +41,8 @@ class Pipeline:
         self._pending: list[PendingCheckpoint] = []
         self._last: PendingCheckpoint | None = None
         self._hooks: dict[int, Any] = {}
+        self._closed = False
+        self._inherited = False  # by a child made by fork (inherited())
         self.hook_seconds = 0.0  # training-thread time spent waiting in the hooks
         self.training_waits = threading.Event()  # set while a hook waits: the flusher's keep_up reads it
 
@@ -53,6 +55,22 @@ class Pipeline:
         self._last = ckpt
         self._pending.append(ckpt)
         self._snapshotter.submit(ckpt)
+
+    def withdraw(self, ckpt: PendingCheckpoint, why: BaseException) -> bool:
+        """After :meth:`submit` of ``ckpt`` raised or was interrupted (Ctrl-C, at any line):
+        whether ``ckpt`` was withdrawn (it never reached the snapshot thread: as if never
+        submitted); else it goes on and commits."""
+        if self._snapshotter is None or not self._snapshotter.withdraw(ckpt, why):
+            return self._snapshotter is None
+        self._pending = [c for c in self._pending if c is not ckpt]
+        if self._last is ckpt:  # write() waited for the one before it: nothing to wait for
+            self._last = None
+        return True
+
+    def inherited(self) -> None:
+        """In a child made by fork, which has none of the threads: nothing to wait for
+        (the training hooks wait no more)."""
+        self._last, self._pending, self._inherited = None, [], True
 
     def submit_failed(self, step: int, exc: BaseException) -> None:
         """Queue a failed placeholder of ``step``: with several ranks, the other ranks'
@@ -117,6 +135,8 @@ class Pipeline:
                 lambda *_: self._hook_wait())
 
     def _hook_wait(self, volatile_only: bool = False) -> None:
+        if self._inherited:
+            return
         t0 = time.perf_counter()
         self.wait_snapshot(volatile_only)
         self.hook_seconds += time.perf_counter() - t0
@@ -136,14 +156,25 @@ class Pipeline:
             self._flusher.anchors.drop(steps)
 
     def close(self) -> None:
-        """Remove the hooks and end the threads (after :meth:`wait`)."""
+        """Remove the hooks and end the threads (after :meth:`wait`). Interrupted, it may
+        be called again: it goes on where it stopped (:attr:`busy` until it is done)."""
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
         if self._snapshotter is not None:
             self._snapshotter.stop()
-            self._flusher.thread.join()
-        self.committer.close()
+            self._flusher.ended.wait()
+        if not self._closed:
+            try:
+                self.committer.close()
+            finally:
+                self._closed = True
+
+    @property
+    def busy(self) -> bool:
+        """Whether :meth:`close` was interrupted before the threads and the committer were done."""
+        threads = (self._snapshotter, self._flusher) if self._snapshotter is not None else ()
+        return not self._closed or not all(t.ended.is_set() for t in threads)
 
 
 def checkpoint_failed(run_dir: str, failed: list[PendingCheckpoint]) -> CheckpointError:

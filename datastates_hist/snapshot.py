@@ -56,10 +56,30 @@ class PendingCheckpoint:
     # with several ranks: [name, dtype, shape] of each tensor this rank takes as replicated,
     # compared across the ranks at commit (each writes its part of a plan made from them)
     replicated: list | None = None
+    taken: bool = False  # the snapshot thread took it from its inbox
+    withdrawn: bool = False  # its write() was interrupted before it reached the inbox
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
+
+
+@dataclass
+class Withdrawn:
+    """The word that ``ckpt``'s write() was interrupted (:meth:`Snapshotter.withdraw`)."""
+
+    ckpt: PendingCheckpoint
+    why: BaseException
+    applied: threading.Event = field(default_factory=threading.Event)
+
+    def apply(self) -> None:
+        ckpt = self.ckpt
+        if not ckpt.taken:  # never submitted: nothing downstream knows it (taken, it goes on)
+            ckpt.withdrawn = True
+            ckpt.fail(self.why)
+            for event in (ckpt.volatile_done, ckpt.snapshot_done, ckpt.done):
+                event.set()
+        self.applied.set()
 
 
 @dataclass
@@ -152,25 +172,50 @@ class Snapshotter:
         self.cache = cache
         self.out = out
         self.piece_bytes = max(64, min(piece_bytes, cache.capacity // 4))
-        self.inbox: queue.Queue = queue.Queue()
+        # put() in one C call: a KeyboardInterrupt in write() cannot leave a checkpoint half-queued
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.stream = None
         self.closing = False
+        self.ended = threading.Event()  # the thread is done (not join(): see Flusher.ended)
         self.thread = threading.Thread(target=self._run, name="dh-snapshot", daemon=True)
         self.thread.start()
 
     def submit(self, ckpt: PendingCheckpoint) -> None:
         self.inbox.put(ckpt)
 
+    def withdraw(self, ckpt: PendingCheckpoint, why: BaseException) -> bool:
+        """After an interruption (Ctrl-C) around :meth:`submit`: whether ``ckpt`` never
+        reached the inbox (then it is withdrawn: failed, done, and never written); else it
+        goes on. The inbox is in order: if it was put there, the thread takes it first."""
+        marker = Withdrawn(ckpt, why)
+        if self.ended.is_set():  # no thread to take either
+            marker.apply()
+        else:
+            self.inbox.put(marker)
+            marker.applied.wait()
+        return ckpt.withdrawn
+
     def stop(self) -> None:
+        """End the thread after the checkpoints submitted; then the flusher's (twice is harmless)."""
         self.inbox.put(None)
-        self.thread.join()
+        self.ended.wait()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.ended.set()
+
+    def _serve(self) -> None:
         while True:
             ckpt = self.inbox.get()
             if ckpt is None:
                 self.out.put(Stop())
                 return
+            if isinstance(ckpt, Withdrawn):
+                ckpt.apply()
+                continue
+            ckpt.taken = True
             self.out.put(Begin(ckpt))
             try:
                 self._copy(ckpt)

@@ -24,6 +24,7 @@ from .step_data import StepData, encoded_as
 DECODED_PER_TENSOR = 3  # a delta needs its two bases; a third keeps a forward scan from re-reading
 OPEN_BASES = 20  # steps kept open for decoding chains
 DECODED_BYTES = 1 << 30  # decoded values kept for the deltas read next, in all
+REOPENS = 5  # a step rewritten this many times while one reader opens it: that reader gives up
 
 
 class Store:
@@ -100,19 +101,22 @@ class Store:
         main unit alone (without ``against_index``)."""
         row = self.row(step)
         step = row.step
-        try:
-            return self._open(row, against_index, main_only)
-        except Exception as exc:
-            # A writer may have pruned the step (or truncated and rewritten it)
-            # between reading its row and opening its data: that is no damage.
-            now = self.index.step_row(step)
-            if now is None:
-                raise StepNotFoundError(
-                    f"step {step} was removed from {self.run_dir} while it was being opened"
-                ) from exc
-            if now != row:
-                return self._open(now, against_index, main_only)
-            raise
+        for _ in range(REOPENS):
+            try:
+                return self._open(row, against_index, main_only)
+            except Exception as exc:
+                # A writer may have pruned the step (or truncated and rewritten it)
+                # between reading its row and opening its data: that is no damage.
+                now = self.index.step_row(step)
+                if now is None:
+                    raise StepNotFoundError(
+                        f"step {step} was removed from {self.run_dir} while it was being opened"
+                    ) from exc
+                if now == row:
+                    raise
+                row, changed = now, exc
+        raise StepNotFoundError(f"step {step} of {self.run_dir} was written again {REOPENS} times while it was "
+                                "being opened (a writer truncates and rewrites it): read it again") from changed
 
     def _open(self, row: StepRow, against_index: bool, main_only: bool = False) -> StepData:
         unit_path(self.run_dir, row)  # refuses a location outside steps/ before anything is read

@@ -27,6 +27,7 @@ import torch
 
 import datastates_hist as dh
 from datastates_hist.errors import StepNotFoundError
+from datastates_hist import store as store_module
 from datastates_hist.store import Store
 
 WRITER = r"""
@@ -60,6 +61,7 @@ import torch, xarray as xr
 import datastates_hist as dh
 from datastates_hist.cli import main as cli
 from datastates_hist.errors import StepNotFoundError, StoreNotFoundError
+from datastates_hist import store as store_module
 from datastates_hist.store import Store
 
 run, kind = sys.argv[1], sys.argv[2]
@@ -251,3 +253,37 @@ def test_a_delta_step_pruned_with_its_bases_while_being_read_is_not_found(run_di
     finally:
         store.close()
     assert str(info.value) == f"step 1 was removed from {run_dir} while it was being read"
+
+
+@pytest.mark.parametrize("rewrites", [3, store_module.REOPENS])
+def test_a_step_rewritten_while_being_opened_is_read_again(run_dir, backend, monkeypatch, rewrites):
+    """A writer that truncates and rewrites a step between a reader's look at its index row
+    and the opening of its data, again and again: the reader reads the newest step, or says
+    the step keeps being rewritten (never that the run is damaged)."""
+    model = torch.nn.Linear(4, 3)
+    with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+        ckpt.write(0, model, w=torch.zeros(8))
+    opened = Store._open
+    versions = []
+
+    def rewritten_first(self, row, *args):  # the writer rewrites step 0 before each open
+        if len(versions) < rewrites:
+            versions.append(torch.full((8,), float(len(versions) + 1)))
+            with dh.Checkpointer(run_dir) as writer:
+                writer.truncate(after=-1)
+                writer.write(0, model, w=versions[-1])
+        return opened(self, row, *args)
+
+    monkeypatch.setattr(Store, "_open", rewritten_first)
+    store = Store(run_dir)
+    try:
+        if rewrites < store_module.REOPENS:
+            with store.open_step(0) as data:
+                assert torch.equal(data.read("extra/w"), versions[-1])
+        else:
+            with pytest.raises(StepNotFoundError) as info:
+                store.open_step(0)
+            assert str(info.value) == (f"step 0 of {run_dir} was written again {store_module.REOPENS} times while "
+                                       "it was being opened (a writer truncates and rewrites it): read it again")
+    finally:
+        store.close()

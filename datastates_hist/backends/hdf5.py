@@ -21,6 +21,7 @@ import json
 import math
 import mmap
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import h5py
@@ -102,11 +103,14 @@ class HDF5StepWriter(StagedStepWriter):
             if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:  # not HDF5's lines of detail
                 raise OSError(errno.ENOSPC, f"cannot create {self.tmp}: {os.strerror(errno.ENOSPC)}") from None
             raise
+        self.fd = self.file.id.get_vfd_handle()
+        _WRITING.add(self)
         self.reserved = 0
         try:
             self._reserve(RESERVE_MARGIN)
         except OSError:
             try:
+                _WRITING.discard(self)
                 self.file.close()  # else left open, holding its space, until collected
             finally:
                 self.remove()
@@ -118,7 +122,7 @@ class HDF5StepWriter(StagedStepWriter):
         """Allocate disk space for what is about to be written: the HDF5 library cannot
         recover from a write of its metadata that fails for want of space (closing the
         file then crashes it), so a full disk must fail here, in a clean OSError."""
-        reserve_space(self.file.id.get_vfd_handle(), self.reserved, nbytes, self.tmp)
+        reserve_space(self.fd, self.reserved, nbytes, self.tmp)
         self.reserved += nbytes
 
     def define(self, name, dtype, shape, real_dtype, block=None):
@@ -171,8 +175,29 @@ class HDF5StepWriter(StagedStepWriter):
 
     def close_files(self):
         self.datasets.clear()
+        _WRITING.discard(self)
         self.file.close()
         trim(self.tmp)
+
+
+_WRITING: "weakref.WeakSet[HDF5StepWriter]" = weakref.WeakSet()  # files open for writing
+
+
+def _writes_elsewhere_in_child() -> None:
+    """A child made by fork (a DataLoader worker) inherits the files this process is
+    writing, and the HDF5 library flushes open files when a process exits: the child
+    would write the metadata a file had at the fork over what the parent wrote since.
+    There, each such file's descriptor is pointed at a file in memory instead (no call
+    into h5py: another thread may have held its lock at the fork)."""
+    for writer in list(_WRITING):
+        memory = (os.memfd_create("datastates-hist-forked") if hasattr(os, "memfd_create")
+                  else os.open(os.devnull, os.O_RDWR))
+        os.dup2(memory, writer.fd)
+        os.close(memory)
+    _WRITING.clear()
+
+
+os.register_at_fork(after_in_child=_writes_elsewhere_in_child)
 
 
 
