@@ -62,6 +62,7 @@ class Committer:
         self.retention = retention or Retention()
         self.index: Index | None = None
         self.removed: list[int] = []  # the steps retention removed after the last commit
+        self.kept_whole: set[int] = set()  # restore points retention may not demote (apply_retention)
         # several ranks: whether the ranks agreed to begin the step being written, and
         # why no rank may write any more (one closed its Checkpointer while another wrote)
         self.begun = False
@@ -146,7 +147,7 @@ class Committer:
         never fewer, and does not fail the step (it is committed): it is reported."""
         self.removed = []
         try:
-            self.removed = apply_retention(self.run_dir, self.index, self.retention)[1]
+            self.removed = apply_retention(self.run_dir, self.index, self.retention, self.kept_whole)[1]
         except Exception as exc:
             warnings.warn(f"datastates-hist: retention after step {step} in {self.run_dir} failed, "
                           f"older steps are kept: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=1)
@@ -254,14 +255,14 @@ def _doing(action: dict) -> str:
     return f"called {action['do']}({arguments})"
 
 
-def _value_digests(items: dict, own_prefix: str) -> dict[str, int]:
+def _value_digests(items: dict, own_prefix: str) -> dict[str, str]:
     """A checksum of each plain value every rank holds (not this rank's own)."""
     return {name: checksum_bytes(json.dumps(value, sort_keys=True, allow_nan=True, separators=(",", ":")).encode())
             for name, value in items.items() if not under(name, own_prefix)}
 
 
 def commit_collective(group, index: Index | None, backend: str, ckpt, writer, records: list[TensorRecord],
-                      own_values: dict, value_digests: dict[str, int] | None = None) -> list[list]:
+                      own_values: dict, value_digests: dict[str, str] | None = None) -> list[list]:
     """Commit ``ckpt`` on every rank of ``group`` together, or on none.
 
     ``own_values``: the plain values only this rank holds (its RNG states);

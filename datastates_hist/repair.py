@@ -171,8 +171,9 @@ def repair_run(run_dir: str, force: bool = False, verify: bool = True) -> Repair
             report = RepairReport("the index is healthy; nothing to repair (use --force to rebuild it anyway)")
         else:
             report = RepairReport(diagnosis or "rebuilt on request (--force)", rebuilt=True)
-            old_times = _old_commit_times(run_dir)
-            new_index, report.steps, bad = _build_aside(run_dir, old_times, verify)  # the run is unchanged so far
+            old_times, old_backend = _from_old_index(run_dir)
+            # the run is unchanged so far
+            new_index, report.steps, bad = _build_aside(run_dir, old_times, old_backend, verify)
             for unit, why in bad:
                 _set_aside(run_dir, unit, why, report)
             report.moved_index = _swap_in(run_dir, new_index, healthy=diagnosis is None)
@@ -196,22 +197,32 @@ def _in_damaged(run_dir: str) -> list[str]:
     return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
 
 
-def _old_commit_times(run_dir: str) -> dict[int, float]:
-    """step -> commit time, from whatever of the old index can still be read."""
+def _from_old_index(run_dir: str) -> tuple[dict[int, float], str | None]:
+    """``(step -> commit time, the run's backend)``, from whatever of the old index can
+    still be read."""
     path = index_path(run_dir)
     if not os.path.exists(path):
-        return {}
+        return {}, None
+    times, backend = {}, None
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return times, backend
+    try:
         try:
-            rows = conn.execute("SELECT step, time FROM steps").fetchall()
-        finally:
-            conn.close()
-        # a time that is no time (damage the rebuild is for) gives way to the unit's
-        return {s: float(t) for s, t in rows
-                if type(s) is int and isinstance(t, (int, float)) and 0 <= t < MAX_TIME}
-    except (sqlite3.Error, ValueError, TypeError):
-        return {}
+            # a time that is no time (damage the rebuild is for) gives way to the unit's
+            times = {s: float(t) for s, t in conn.execute("SELECT step, time FROM steps").fetchall()
+                     if type(s) is int and isinstance(t, (int, float)) and 0 <= t < MAX_TIME}
+        except (sqlite3.Error, ValueError, TypeError):
+            pass
+        try:
+            named = conn.execute("SELECT value FROM meta WHERE key='backend'").fetchall()
+            backend = named[0][0] if named and isinstance(named[0][0], str) else None
+        except sqlite3.Error:
+            pass
+    finally:
+        conn.close()
+    return times, backend
 
 
 # --- building the new index aside -----------------------------------------------------------
@@ -225,14 +236,16 @@ def _remove_rebuilding(run_dir: str) -> bool:
     return True
 
 
-def _build_aside(run_dir: str, old_times: dict[int, float], verify: bool):
+def _build_aside(run_dir: str, old_times: dict[int, float], old_backend: str | None, verify: bool):
     """Write the new index in ``RUN/index.sqlite.rebuilding/``, one row per intact unit
     as it is read: ``(its path, the steps committed, [(unit, why) for the units that
-    cannot be committed])``."""
+    cannot be committed])``. The run's backend (what later writers use) stays the old
+    index's where it names one this installation has, else is the one most steps use."""
     units = finished_units(run_dir)
     backends = _backends_by_suffix()
     known = [b for b in (_backend_of(run_dir, u, backends, strict=False) for u in units) if b]
-    main = Counter(known).most_common(1)[0][0] if known else "adios2"
+    main = (old_backend if old_backend in backends[0].values() else
+            Counter(known).most_common(1)[0][0] if known else "adios2")
     folder = os.path.join(run_dir, REBUILDING_DIR)
     os.mkdir(folder)
     try:

@@ -10,6 +10,7 @@ a non-strict restore skips the targets whose problems concern them whole
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,9 @@ class Restored:
             were, because a problem concerns them whole (an optimizer of another type
             or param-group structure, a state dict of another class); ``extra``
             holds them as passed.
+        rounded: the tensors loaded with their mantissas rounded (a trajectory point's
+            ``keep_bits``, only with ``strict=False``): name -> mantissa bits kept
+            (relative error at most ``2**-(bits + 1)``).
     """
 
     step: int
@@ -42,6 +46,7 @@ class Restored:
     problems: Problems = field(default_factory=Problems)
     skipped: list[str] = field(default_factory=list)
     rng: bool = False  # whether RNG states were restored (not across a change of the number of ranks)
+    rounded: dict[str, int] = field(default_factory=dict)
 
 
 def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
@@ -92,7 +97,8 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
             loading = {prefix: targets[prefix] for prefix, found in checked.items()
                        if not provider_for(targets[prefix]).leaves_unloaded(found)}
             restored = Restored(step=step, time=data.row.time, problems=problems, rng=own_rng in loading,
-                                skipped=[prefix for prefix in checked if prefix not in loading])
+                                skipped=[prefix for prefix in checked if prefix not in loading],
+                                rounded=_rounded(data, loading, run_dir))
             if world_size == 1:  # one process takes whole tensors: read them in one batch
                 into = {f"{prefix}/{rel}": t for prefix, obj in loading.items()
                         for rel, t in provider_for(obj).destinations(obj, ctx).items()}
@@ -110,6 +116,23 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
             return restored
     finally:
         store.close()
+
+
+def _rounded(data, loading: dict, run_dir: str) -> dict[str, int]:
+    """The tensors of ``loading``'s objects that a trajectory point keeps rounded (its
+    low bits went with its restore unit); said in a warning too, as they load inexact."""
+    if data.row.tier != "trajectory":
+        return {}
+    rounded = {name: record.keep_bits for name, record in data.records.items()
+               if record.keep_bits is not None and any(under(name, prefix) for prefix in loading)}
+    if rounded:
+        shown = ", ".join(list(rounded)[:3]) + (f" and {len(rounded) - 3} more" if len(rounded) > 3 else "")
+        bits, alike = min(rounded.values()), len(set(rounded.values())) == 1
+        warnings.warn(f"datastates-hist: step {data.row.step} of {run_dir} is a trajectory point that keeps "
+                      f"{len(rounded)} tensor(s) rounded to {bits}{'' if alike else ' or more'} mantissa bits "
+                      f"(relative error at most 2**-{bits + 1}): {shown} loaded so, not exact", RuntimeWarning,
+                      stacklevel=4)
+    return rounded
 
 
 @contextmanager

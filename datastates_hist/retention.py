@@ -395,17 +395,49 @@ def protect_bases(index: Index, doomed_steps: list[int]) -> list[int]:
     return [s for s in doomed_steps if s not in needed]
 
 
-def apply_retention(run_dir: str, index: Index, retention: Retention) -> tuple[list[int], list[int]]:
-    """After a commit: demote and remove what ``retention`` lets go; ``(demoted, removed)``."""
+def apply_retention(run_dir: str, index: Index, retention: Retention,
+                    kept_whole: set[int] | None = None) -> tuple[list[int], list[int]]:
+    """After a commit: demote and remove what ``retention`` lets go; ``(demoted, removed)``.
+    ``kept_whole``: the restore points found not to hold the trajectory in their main unit
+    (:func:`_keeps_the_trajectory`), added to as found (a committed step does not change)."""
+    kept_whole = set() if kept_whole is None else kept_whole
     demote, remove = retention.let_go(index.restore_rows())
+    kept_whole.update(s for s in demote if s not in kept_whole and not _keeps_the_trajectory(
+        index, retention.trajectory, s))
+    demote = [s for s in demote if s not in kept_whole]
     if not (demote or remove):
         return [], []
     return demote_steps(run_dir, index, demote), remove_steps(run_dir, index, protect_bases(index, remove))
 
 
+def _keeps_the_trajectory(index: Index, trajectory: Trajectory, step: int) -> bool:
+    """Whether restore point ``step``'s main unit holds every tensor of it that
+    ``trajectory`` keeps, at least as exactly: else (a run reopened with a wider or an
+    exact trajectory) demoting it would lose what the trajectory in force keeps, and it
+    stays a restore point, as a step of one unit does."""
+    for name, part, bits in index.tensor_parts(step):
+        if trajectory.holds(name) and (part != "" or bits is not None and (
+                trajectory.keep_bits is None or trajectory.keep_bits > bits)):
+            return False
+    return True
+
+
+def newest_restore_point(index: Index) -> int | None:
+    """The step prune keeps whatever its rules say, so that the run stays restorable
+    (the newest step may be a trajectory point: a truncate() onto one, say)."""
+    rows = index.restore_rows()
+    return rows[-1].step if rows else None
+
+
+def unkept(index: Index, steps: list[int], rules: Iterable) -> list[int]:
+    """Of ``steps``, the ones no rule keeps: never the newest, nor the newest restore point."""
+    newest = newest_restore_point(index)
+    return [s for s in doomed(steps, rules) if s != newest]
+
+
 def prunable(index: Index, rules: Iterable) -> list[int]:
     """The steps no rule keeps, but the delta bases of the steps that stay."""
-    return protect_bases(index, doomed(index.steps(), rules))
+    return protect_bases(index, unkept(index, index.steps(), rules))
 
 
 def prune_index(run_dir: str, index: Index, rules: Iterable, dry_run: bool = False) -> list[int]:

@@ -92,7 +92,7 @@ def test_prune_dry_run_only_reads_a_read_only_run(tmp_path):
         assert json.loads(out.stdout) == {"removed": [0, 1], "kept": [2], "bytes": sizes[0] + sizes[1],
                                           "dry_run": True, "freed": [{"step": 0, "bytes": sizes[0]},
                                                                      {"step": 1, "bytes": sizes[1]}],
-                                          "bases": []}
+                                          "bases": [], "kept_restore_point": None}
         out = cli("prune", run, "--keep-last", "1")
         assert out.returncode == EXIT_IO
         assert out.stderr == f"datastates-hist: the run directory {run} is not writable: read-only file system\n"
@@ -107,7 +107,7 @@ def test_prune_reports_bytes_it_deleted(run_dir):
     sizes = step_sizes(run_dir)
     out = cli("prune", run_dir, "--keep-every", "2", "--json")
     assert json.loads(out.stdout) == {"removed": [1], "kept": [0, 2, 3], "bytes": sizes[1], "dry_run": False,
-                                      "freed": [{"step": 1, "bytes": sizes[1]}], "bases": []}
+                                      "freed": [{"step": 1, "bytes": sizes[1]}], "bases": [], "kept_restore_point": None}
 
 
 @pytest.mark.parametrize("args, code, message", [

@@ -123,7 +123,7 @@ def test_prune_dry_run_lists_the_steps_and_bytes_and_changes_nothing(backend, tm
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {
         "removed": doomed, "kept": [0, 4], "bytes": sum(sizes[s] for s in doomed), "dry_run": True,
-        "freed": [{"step": s, "bytes": sizes[s]} for s in doomed], "bases": [],
+        "freed": [{"step": s, "bytes": sizes[s]} for s in doomed], "bases": [], "kept_restore_point": None,
     }
     out = cli("prune", run_dir, "--keep-last", "1", "--keep-every", "4", "--dry-run")
     assert out.returncode == 0, out.stderr
@@ -179,7 +179,7 @@ def test_prune_of_a_delta_run_keeps_exactly_the_bases_of_kept_steps(tmp_path):
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {
         "removed": removed, "kept": kept, "bytes": freed, "dry_run": True,
-        "freed": [{"step": s, "bytes": sizes[s]} for s in removed], "bases": bases,
+        "freed": [{"step": s, "bytes": sizes[s]} for s in removed], "bases": bases, "kept_restore_point": None,
     }
     out = cli("prune", run_dir, "--keep-last", "1", "--keep-every", "6")
     assert (out.returncode, out.stderr) == (0, "")

@@ -281,3 +281,84 @@ def test_a_partial_trajectory_restores_the_model_tensors_it_has(tmp_path):
     assert torch.equal(got["0.weight"], t.written[1]["0.weight"])
     for name in ("0.bias", "2.weight", "2.bias"):  # not in the trajectory point: left as they were
         assert torch.equal(got[name], before[name])
+
+
+@pytest.mark.parametrize("how", ["api", "cli"])
+def test_prune_keeps_the_newest_restore_point_after_a_truncate_onto_a_trajectory_point(tmp_path, how):
+    """A truncate() onto a trajectory point leaves a newest step that restores nothing:
+    prune keeps the newest restore point still, so the run stays restorable."""
+    import json
+    import subprocess
+    import sys
+
+    run, t = str(tmp_path / "run"), Trainer()
+    with dh.Checkpointer(run, keep=dh.KeepLast(2) | dh.KeepEvery(4),
+                         trajectory=dh.Trajectory("model/*", every=2), codec="key") as ckpt:
+        for step in range(10):
+            t.write(ckpt, step)
+        ckpt.truncate(after=6)
+        with dh.open(run) as h:
+            assert (h.steps, h.restore_points) == ([0, 2, 4, 6], [0, 4])
+        if how == "api":
+            assert ckpt.prune(keep_last=1) == [0, 2]
+    if how == "cli":
+        out = subprocess.run([sys.executable, "-m", "datastates_hist.cli", "prune", run, "--keep-last", "1", "--json"],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert {k: v for k, v in json.loads(out.stdout).items() if k in ("removed", "kept", "kept_restore_point")} == {
+            "removed": [0, 2], "kept": [4, 6], "kept_restore_point": 4}
+    with dh.open(run) as h:
+        assert (h.steps, h.restore_points) == ([4, 6], [4])
+    t.check_reads(run)
+    with dh.Checkpointer(run) as ckpt:
+        model = Trainer(seed=1).model
+        assert ckpt.restore(model=model, strict=False).step == 4
+        assert all(torch.equal(v, t.written[4][k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("first, then", [
+    (dh.Trajectory("model/0.*"), dh.Trajectory("model/*")),  # a wider trajectory
+    (dh.Trajectory("model/*", keep_bits=8), dh.Trajectory("model/*")),  # an exact one
+])
+def test_a_run_reopened_with_another_trajectory_keeps_what_that_trajectory_keeps(tmp_path, first, then):
+    """Restore points of a first session that the second's policies let go: demoting one
+    would drop tensors (or exact bits) the trajectory now in force keeps, so it stays whole."""
+    run, t = str(tmp_path / "run"), Trainer()
+    with dh.Checkpointer(run, keep=dh.KeepLast(1) | dh.KeepEvery(4), trajectory=first) as ckpt:
+        for step in range(6):
+            t.write(ckpt, step)
+    with dh.open(run) as h:
+        assert h.restore_points == [0, 4, 5]
+    with dh.Checkpointer(run, keep=dh.KeepLast(1), trajectory=then) as ckpt:
+        for step in range(6, 9):
+            t.write(ckpt, step)
+    with dh.open(run) as h:
+        assert h.restore_points == [0, 4, 5, 8]
+        assert h.steps == list(range(9))
+        for step in (0, 4, 5):
+            assert set(h.tensors(step)["name"]) >= {f"model/{k}" for k in t.written[step]}
+    t.check_reads(run, [0, 4, 5, 6, 7, 8])  # exact
+    with dh.Checkpointer(run) as ckpt:
+        model = Trainer(seed=1).model
+        ckpt.restore(4, model=model, strict=False)
+        assert all(torch.equal(v, t.written[4][k]) for k, v in model.state_dict().items())
+
+
+def test_a_lossy_trajectory_point_restored_with_strict_false_says_what_is_rounded(tmp_path):
+    run, t = str(tmp_path / "run"), Trainer()
+    with dh.Checkpointer(run, keep=dh.KeepLast(1), trajectory=dh.Trajectory("model/*", keep_bits=8)) as ckpt:
+        for step in range(3):
+            t.write(ckpt, step)
+        model = Trainer(seed=1).model
+        with pytest.warns(RuntimeWarning) as warned:
+            restored = ckpt.restore(1, model=model, strict=False)
+        names = [f"model/{k}" for k in t.written[1]]
+        assert restored.rounded == {name: 8 for name in names}
+        assert str(warned[0].message) == (
+            f"datastates-hist: step 1 of {run} is a trajectory point that keeps 4 tensor(s) rounded to 8 mantissa "
+            f"bits (relative error at most 2**-9): {', '.join(names[:3])} and 1 more loaded so, not exact")
+        for k, v in model.state_dict().items():
+            exact = t.written[1][k]
+            assert not torch.equal(v, exact) and ((v - exact).abs() <= exact.abs() * 2 ** -9).all(), k
+        assert ckpt.restore(2, model=model, strict=False).rounded == {}  # a restore point: exact
+        assert all(torch.equal(v, t.written[2][k]) for k, v in model.state_dict().items())

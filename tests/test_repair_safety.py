@@ -339,3 +339,20 @@ def test_a_torchrun_run_is_repaired_and_units_set_aside_earlier_come_back(tmp_pa
         os.rename(os.path.join(damaged, unit), os.path.join(run_dir, "steps", unit))
     assert repair_run(run_dir).steps == list(range(10))
     restored_lines(launch("torchrun", 2, "restore", run_dir, "4", "--model", "ddp"), 2, 4)
+
+
+def test_a_rebuilt_index_keeps_the_backend_the_run_was_made_with(tmp_path):
+    """A run made with ADIOS2 with more of its steps in HDF5 (a session with backend="hdf5"):
+    the rebuilt index still names ADIOS2, so the next writer that names none writes BP5."""
+    run_dir, model = str(tmp_path / "run"), torch.nn.Linear(2, 2)
+    with dh.Checkpointer(run_dir) as ckpt:
+        for step in range(2):
+            ckpt.write(step, model)
+    with dh.Checkpointer(run_dir, backend="hdf5") as ckpt:
+        for step in range(2, 5):
+            ckpt.write(step, model)
+    repair_run(run_dir, force=True)
+    with dh.Checkpointer(run_dir) as ckpt:
+        ckpt.write(5, model)
+    assert sorted(os.listdir(os.path.join(run_dir, "steps"))) == sorted(
+        [f"{s:012d}.bp" for s in (0, 1, 5)] + [f"{s:012d}.h5" for s in (2, 3, 4)])

@@ -1,6 +1,7 @@
 """``datastates-hist prune RUN --keep-last N --keep-every K``: retention.
 
-Deletes the committed steps no rule keeps (never the newest): index rows first,
+Deletes the committed steps no rule keeps (never the newest step, nor the newest
+restore point: the run stays restorable): index rows first,
 so readers stop seeing them at once, then their data. A step that a kept step
 is a delta against stays (such steps are counted on a second line, and listed
 as ``bases`` with ``--json``). Takes the run's writer lock: it refuses while a
@@ -12,7 +13,7 @@ steps that would be deleted and the bytes that would be freed (per step with
 
 from __future__ import annotations
 
-from ..retention import doomed, policies, protect_bases, step_bytes
+from ..retention import doomed, newest_restore_point, policies, protect_bases, step_bytes, unkept
 from . import add_command, count
 from ..index import open_existing
 from .output import add_json_flag, counted, emit, plural, size
@@ -37,7 +38,7 @@ def run(args) -> int:
     if args.dry_run:
         try:
             committed = index.steps()
-            freed, bases = _plan(args.run, index, committed, rules)
+            freed, bases, restorable = _plan(args.run, index, committed, rules)
         finally:
             index.close()
         removed, kept = sorted(freed), sorted(set(committed) - set(freed))
@@ -46,18 +47,21 @@ def run(args) -> int:
         from ..checkpointer import Checkpointer
 
         with Checkpointer(args.run) as ckpt:
-            freed, bases = _plan(args.run, ckpt.index, ckpt.steps(), rules)  # as of taking the lock
+            freed, bases, restorable = _plan(args.run, ckpt.index, ckpt.steps(), rules)  # as of taking the lock
             removed = ckpt.prune(args.keep_last, args.keep_every)
             kept = ckpt.steps()
     nbytes = sum(freed.get(s, 0) for s in removed)
     if args.json:
         emit(args, [], [], {"removed": removed, "kept": kept, "bytes": nbytes, "dry_run": args.dry_run,
                             "freed": [{"step": s, "bytes": freed.get(s, 0)} for s in removed],
-                            "bases": bases})
+                            "bases": bases, "kept_restore_point": restorable})
         return 0
     verb, freeing = ("would delete", "would free") if args.dry_run else ("deleted", "freed")
     listed = f"; {freeing} {size(nbytes)} ({plural('step', len(removed))} {_spans(removed, kept)})" if removed else ""
     print(f"{verb} {counted(len(removed), 'step')}; {len(kept)} kept{listed}")
+    if restorable is not None:
+        print(f"step {restorable} kept: no rule keeps it, but it is the newest restore point (the run "
+              "stays restorable)")
     if bases:
         others = sorted(set(removed + kept) - set(bases))
         print(f"{len(bases)} kept only as delta bases of kept steps ({plural('step', len(bases))} "
@@ -65,12 +69,15 @@ def run(args) -> int:
     return 0
 
 
-def _plan(run_dir: str, index, committed: list[int], rules) -> tuple[dict[int, int], list[int]]:
-    """``(freed, bases)``: step -> bytes for the ``committed`` steps to delete, and
-    the steps no rule keeps that stay as delta bases of kept steps."""
-    no_rule_keeps = doomed(committed, rules)
+def _plan(run_dir: str, index, committed: list[int], rules) -> tuple[dict[int, int], list[int], int | None]:
+    """``(freed, bases, restorable)``: step -> bytes for the ``committed`` steps to delete,
+    the steps no rule keeps that stay as delta bases of kept steps, and the newest restore
+    point where no rule keeps it (it stays), else None."""
+    no_rule_keeps = unkept(index, committed, rules)
     victims = protect_bases(index, no_rule_keeps)
-    return step_bytes(run_dir, index, victims), sorted(set(no_rule_keeps) - set(victims))
+    newest = newest_restore_point(index)
+    restorable = newest if newest in doomed(committed, rules) else None
+    return step_bytes(run_dir, index, victims), sorted(set(no_rule_keeps) - set(victims)), restorable
 
 
 def _spans(removed: list[int], kept: list[int]) -> str:
