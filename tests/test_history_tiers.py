@@ -302,6 +302,10 @@ def test_prune_keeps_the_newest_restore_point_after_a_truncate_onto_a_trajectory
         if how == "api":
             assert ckpt.prune(keep_last=1) == [0, 2]
     if how == "cli":
+        said = subprocess.run([sys.executable, "-m", "datastates_hist.cli", "prune", run, "--keep-last", "1",
+                               "--dry-run"], capture_output=True, text=True).stdout.splitlines()
+        assert said[0].startswith("would delete 2 steps; 2 kept; would free ") and said[0].endswith("(steps 0, 2)")
+        assert said[1:] == ["step 4 kept: the newest restore point (no rule keeps it)"]
         out = subprocess.run([sys.executable, "-m", "datastates_hist.cli", "prune", run, "--keep-last", "1", "--json"],
                              capture_output=True, text=True)
         assert out.returncode == 0, out.stderr

@@ -60,8 +60,7 @@ def run(args) -> int:
     listed = f"; {freeing} {size(nbytes)} ({plural('step', len(removed))} {_spans(removed, kept)})" if removed else ""
     print(f"{verb} {counted(len(removed), 'step')}; {len(kept)} kept{listed}")
     if restorable is not None:
-        print(f"step {restorable} kept: no rule keeps it, but it is the newest restore point (the run "
-              "stays restorable)")
+        print(f"step {restorable} kept: the newest restore point (no rule keeps it)")
     if bases:
         others = sorted(set(removed + kept) - set(bases))
         print(f"{len(bases)} kept only as delta bases of kept steps ({plural('step', len(bases))} "
