@@ -164,6 +164,7 @@ class Checkpointer:
         self.closed = False
         self._finished: threading.Event | None = None  # set once the steps in flight at an interrupted close() are
         self._background_error: BaseException | None = None  # what failed while they were finished
+        self._closing = threading.RLock()  # one close() at a time: the lock's descriptor is closed once
         lifetime.hold(self)
 
     def _open_run(self, backend: str | None) -> None:
@@ -318,7 +319,7 @@ class Checkpointer:
         if failed:
             if self._last_step in [c.step for c in failed]:
                 self._last_step = self.index.latest()
-            raise checkpoint_failed(self.path, failed) from failed[0].error
+            raise checkpoint_failed(self.path, failed)
 
     def _check_process(self) -> None:
         if self._pid != os.getpid():
@@ -339,6 +340,10 @@ class Checkpointer:
         the one that opened it, close() does nothing (the parent's threads write)."""
         if self._pid != os.getpid():
             return
+        with self._closing:  # reentrant: a signal handler may call close() inside close()
+            self._close()
+
+    def _close(self) -> None:
         if self._finished is not None:  # an interrupted close() finishes in the background
             self._finished.wait()
             error, self._background_error = self._background_error, None
@@ -368,7 +373,7 @@ class Checkpointer:
         if failed:
             found = checkpoint_failed(self.path, failed)
             if error is None:
-                raise found from failed[0].error
+                raise found
             error.add_note(f"datastates-hist: {found}")
         if error is not None:
             raise error
@@ -381,7 +386,7 @@ class Checkpointer:
                 self._pipeline.close()
                 failed = self._pipeline.failures()
                 if failed:
-                    raise checkpoint_failed(self.path, failed) from failed[0].error
+                    raise checkpoint_failed(self.path, failed)
             except BaseException as exc:
                 self._background_error = exc
             finally:

@@ -60,8 +60,10 @@ class Pipeline:
         """After :meth:`submit` of ``ckpt`` raised or was interrupted (Ctrl-C, at any line):
         whether ``ckpt`` was withdrawn (it never reached the snapshot thread: as if never
         submitted); else it goes on and commits."""
-        if self._snapshotter is None or not self._snapshotter.withdraw(ckpt, why):
-            return self._snapshotter is None
+        if self._snapshotter is None:  # no thread was started: nothing reached one
+            return True
+        if not self._snapshotter.withdraw(ckpt, why):
+            return False
         self._pending = [c for c in self._pending if c is not ckpt]
         if self._last is ckpt:  # write() waited for the one before it: nothing to wait for
             self._last = None
@@ -178,8 +180,8 @@ class Pipeline:
 
 
 def checkpoint_failed(run_dir: str, failed: list[PendingCheckpoint]) -> CheckpointError:
-    """The error that reports ``failed`` checkpoints to the training loop (raise it
-    from the first one's error)."""
+    """The error that reports ``failed`` checkpoints to the training loop, caused by
+    the first one's error."""
     first = failed[0]
     hint = ("; no space left on device: free space, then write again (committed steps are intact)"
             if _disk_full(first.error) else "")
@@ -189,7 +191,9 @@ def checkpoint_failed(run_dir: str, failed: list[PendingCheckpoint]) -> Checkpoi
         steps = ", ".join(str(c.step) for c in failed)
         what = (f"checkpoints of steps {steps} in {run_dir} failed and were not committed "
                 f"(step {first.step}'s error)")
-    return CheckpointError(f"{what}: {type(first.error).__name__}: {first.error}{hint}")
+    error = CheckpointError(f"{what}: {type(first.error).__name__}: {first.error}{hint}")
+    error.__cause__ = first.error  # as ``raise ... from first.error`` would
+    return error
 
 
 def _disk_full(exc: BaseException) -> bool:

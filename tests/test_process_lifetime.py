@@ -282,3 +282,43 @@ def test_ctrl_c_in_write_leaves_nothing_to_wait_for(tmp_path, backend, when, ext
     else:
         with dh.open(run_dir) as h:
             assert h.steps == list(range(4))
+
+
+# close() from several threads at once (a training thread and a watchdog, say): each
+# returns once every step is committed, and the lock's descriptor is closed only once
+# (closed twice, the second close() failed with EBADF, or closed a file opened since).
+CONCURRENT_CLOSE = r"""
+slow_commits(0.1)
+ckpt = dh.Checkpointer(run, backend=backend)
+for step in range(4):
+    ckpt.write(step, torch.nn.Linear(2, 2), w=state(step))
+lock_fd, close_fd = ckpt._lock_fd, os.close
+def slow_close(fd):  # every thread that gets there closes the lock before any forgets it
+    if fd == lock_fd:
+        time.sleep(0.3)
+    close_fd(fd)
+os.close = slow_close
+start = threading.Barrier(3)
+outcomes = []
+def close():
+    start.wait()
+    try:
+        ckpt.close()
+        outcomes.append(("closed", None))
+    except BaseException as exc:
+        outcomes.append((type(exc).__name__, str(exc)))
+threads = [threading.Thread(target=close) for _ in range(3)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(sorted(outcomes))
+dh.Checkpointer(run, backend=backend).close()  # the run was given back
+"""
+
+
+def test_close_from_several_threads_at_once(tmp_path, backend):
+    run_dir = str(tmp_path / "run")
+    out, _ = run_child(CONCURRENT_CLOSE, run_dir, backend)
+    assert out == ["[('closed', None), ('closed', None), ('closed', None)]"]
+    assert_steps_hold_their_values(run_dir, list(range(4)))
