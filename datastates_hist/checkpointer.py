@@ -351,7 +351,8 @@ class Checkpointer:
             if error is not None:
                 raise error
             return
-        if self.closed:
+        if self.closed:  # a close() interrupted while it gave the run back gives it back now
+            self._give_back()
             return
         error = None
         try:

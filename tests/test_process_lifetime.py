@@ -322,3 +322,37 @@ def test_close_from_several_threads_at_once(tmp_path, backend):
     out, _ = run_child(CONCURRENT_CLOSE, run_dir, backend)
     assert out == ["[('closed', None), ('closed', None), ('closed', None)]"]
     assert_steps_hold_their_values(run_dir, list(range(4)))
+
+
+# A Ctrl-C may land while close() gives the run back (here: as it closes the index):
+# close() again gives it back, as the error of the next writer says to do.
+INTERRUPTED_GIVING_BACK = r"""
+ckpt = dh.Checkpointer(run, backend=backend)
+ckpt.write(0, torch.nn.Linear(2, 2), w=state(0))
+ckpt.wait()
+def interrupted():
+    del ckpt.index.close
+    raise KeyboardInterrupt
+ckpt.index.close = interrupted  # the index of the Checkpointer, closed as it gives the run back
+try:
+    ckpt.close()
+except KeyboardInterrupt:
+    print("interrupted")
+try:
+    dh.Checkpointer(run, backend=backend)
+except dh.StoreLockedError as exc:
+    print(str(exc).replace(run, "RUN"))
+ckpt.close()
+dh.Checkpointer(run, backend=backend).close()
+print("opened again")
+"""
+
+
+def test_close_interrupted_while_it_gives_the_run_back(tmp_path, backend):
+    run_dir = str(tmp_path / "run")
+    out, _ = run_child(INTERRUPTED_GIVING_BACK, run_dir, backend)
+    assert out == ["interrupted",
+                   "RUN is being written by a Checkpointer of this process whose close() was interrupted: it still "
+                   "writes the steps it had in flight (call its close() again to wait for them)",
+                   "opened again"]
+    assert_steps_hold_their_values(run_dir, [0])
