@@ -287,7 +287,7 @@ class Checkpointer:
         before = self._last_step, self.writes
         try:
             self._last_step, self.writes = step, self.writes + 1
-            self._pipeline.submit(ckpt, model, optimizer)
+            self._pipeline.submit(ckpt, [model, optimizer, *extra.values()])
         except BaseException as exc:  # a Ctrl-C may land after it reached the snapshot thread: it goes on
             if self._pipeline.withdraw(ckpt, exc):
                 self._last_step, self.writes = before

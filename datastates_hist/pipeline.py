@@ -13,7 +13,8 @@ import errno
 import sqlite3
 import threading
 import time
-from typing import Any
+import weakref
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -40,16 +41,17 @@ class Pipeline:
         self._flusher: Flusher | None = None
         self._pending: list[PendingCheckpoint] = []
         self._last: PendingCheckpoint | None = None
-        self._hooks: dict[int, Any] = {}
+        self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module/optimizer -> hook handle
         self._closed = False
         self._inherited = False  # by a child made by fork (inherited())
         self.hook_seconds = 0.0  # training-thread time spent waiting in the hooks
         self.training_waits = threading.Event()  # set while a hook waits: the flusher's keep_up reads it
 
-    def submit(self, ckpt: PendingCheckpoint, model: Any, optimizer: Any) -> None:
-        """Queue ``ckpt`` (of ``model`` and ``optimizer``) for its snapshot, after the previous one's."""
+    def submit(self, ckpt: PendingCheckpoint, objects: Iterable[Any]) -> None:
+        """Queue ``ckpt`` (of ``objects``: the model, the optimizer, the extras) for its
+        snapshot, after the previous one's."""
         self._start(ckpt)
-        self.install_hooks(model, optimizer)
+        self.install_hooks(objects)
         if any(t.tensor.is_cuda for t in ckpt.tensors):
             ckpt.ready_event = torch.cuda.current_stream().record_event()
         self._last = ckpt
@@ -126,15 +128,17 @@ class Pipeline:
         self._pending = [c for c in self._pending if not c.done.is_set()]
         return [c for c in done if c.error is not None]
 
-    def install_hooks(self, model: Any, optimizer: Any) -> None:
-        """Make training wait for the snapshot only where it must: the forward for the
-        volatile tensors (buffers it changes), the optimizer step for the rest."""
-        if isinstance(model, nn.Module) and id(model) not in self._hooks:
-            self._hooks[id(model)] = model.register_forward_pre_hook(
-                lambda *_: self._hook_wait(volatile_only=True))
-        if isinstance(optimizer, torch.optim.Optimizer) and id(optimizer) not in self._hooks:
-            self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(
-                lambda *_: self._hook_wait())
+    def install_hooks(self, objects: Iterable[Any]) -> None:
+        """Make training wait for the snapshot only where it must: a forward for the
+        volatile tensors (buffers it changes), an optimizer step for the rest. Every
+        module and optimizer written is hooked, the extras' too (a GAN's discriminator
+        and its optimizer step before the generator's forward). Submodules are not: a
+        hook inside a compiled model breaks its graph."""
+        for obj in objects:
+            if isinstance(obj, nn.Module) and obj not in self._hooks:
+                self._hooks[obj] = obj.register_forward_pre_hook(lambda *_: self._hook_wait(volatile_only=True))
+            elif isinstance(obj, torch.optim.Optimizer) and obj not in self._hooks:
+                self._hooks[obj] = obj.register_step_pre_hook(lambda *_: self._hook_wait())
 
     def _hook_wait(self, volatile_only: bool = False) -> None:
         if self._inherited:
@@ -160,7 +164,7 @@ class Pipeline:
     def close(self) -> None:
         """Remove the hooks and end the threads (after :meth:`wait`). Interrupted, it may
         be called again: it goes on where it stopped (:attr:`busy` until it is done)."""
-        for handle in self._hooks.values():
+        for handle in list(self._hooks.values()):
             handle.remove()
         self._hooks.clear()
         if self._snapshotter is not None:

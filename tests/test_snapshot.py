@@ -141,3 +141,34 @@ def test_shards_record_their_place_in_the_global_tensor(run_dir):
         rec = data.records["extra/shard/w"]
     store.close()
     assert rec.global_shape == (8, 4) and rec.offset == (4, 0) and rec.shape == (4, 4)
+
+
+def test_a_second_model_and_optimizer_given_as_extras_are_guarded_too(run_dir, backend):
+    """A GAN: the discriminator and its optimizer are extras, and the next iteration
+    steps them before the generator's forward."""
+    torch.manual_seed(0)
+    generator, discriminator = torch.nn.Linear(64, 64), torch.nn.Linear(512, 512)
+    opt_g = torch.optim.SGD(generator.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(discriminator.parameters(), lr=0.1, momentum=0.9)
+    ckpt = dh.Checkpointer(run_dir, backend=backend, host_cache_bytes=128 << 10, piece_bytes=32 << 10)
+    expected = {}
+    for step in range(3):
+        opt_d.zero_grad()
+        discriminator(torch.randn(8, 512)).pow(2).mean().backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        generator(torch.randn(8, 64)).pow(2).mean().backward()
+        opt_g.step()
+        expected[step] = (discriminator.weight.detach().clone(),
+                          opt_d.state[discriminator.weight]["momentum_buffer"].clone())
+        ckpt.write(step, generator, opt_g, D=discriminator, opt_D=opt_d)
+    ckpt.close()
+    with dh.open(run_dir) as h:
+        names = h.names(0)
+    momentum = [n for n in names if n.startswith("extra/opt_D/state/") and n.endswith("/momentum_buffer")
+                and stored(run_dir, 0, n).shape == (512, 512)]
+    assert len(momentum) == 1, names
+    for step, (weight, momentum_buffer) in expected.items():
+        assert torch.equal(stored(run_dir, step, "extra/D/weight"), weight), step
+        assert torch.equal(stored(run_dir, step, momentum[0]), momentum_buffer), step
+
