@@ -506,6 +506,10 @@ class Checkpointer:
         self.wait()
         model = model if model is not None else self.model
         optimizer = optimizer if optimizer is not None else self.optimizer
+        if optimizer is not None and model is None:
+            raise TypeError("restore() of an optimizer needs the model: the optimizer's state is matched to its "
+                            "parameters by their names in the model (pass model=..., or bind it: "
+                            "Checkpointer(path, model=...))")
         return restore_step(self.path, step, model, optimizer, strict=strict, rng=rng, extra=extra,
                             rank=self.group.rank, world_size=self.group.size)
 

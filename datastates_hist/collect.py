@@ -23,6 +23,10 @@ from .snapshot import PendingCheckpoint
 from .torch_providers import RNG, context_for, rng_prefix
 
 
+# restore()'s keyword options, which its **extra cannot take
+RESTORE_OPTIONS = ("strict", "rng")
+
+
 class Collector:
     """Turns the objects of a ``write()`` into a :class:`PendingCheckpoint` of this rank."""
 
@@ -44,6 +48,9 @@ class Collector:
         if optimizer is not None:
             objects["optim"] = optimizer
         for key, value in extra.items():
+            if key in RESTORE_OPTIONS:  # restore(**extra) could never be given it back
+                raise ValueError(f"an extra cannot be named {key!r}: restore() takes {key}= as its own option; "
+                                 "rename it")
             check_name(f"extra/{key}", "extra")
             objects[f"extra/{key}"] = value
         tensors: list[TensorItem] = []
@@ -74,6 +81,9 @@ class Collector:
                 raise TypeError(f"cannot checkpoint {prefix!r}: {exc}") from None
             except (values_codec.NestingError, values_codec.NameClashError) as exc:
                 raise ValueError(f"cannot checkpoint {prefix!r}: {exc}") from None
+            except Exception as exc:  # the object's own state_dict(), say: keep its error, say whose
+                exc.add_note(f"datastates-hist: raised while collecting {prefix!r} for step {step}")
+                raise
         self._check_names(tensors)
         replicated = None
         if self.group.size > 1:

@@ -80,7 +80,7 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
                 return StoredState(records, vals, lambda rel: data.read(full(rel)),
                                    lambda rel, start, count: data.read_box(full(rel), start, count, verify=True))
 
-            problems, checked = Problems(), {}
+            problems, checked, other_kind = Problems(), {}, []
             # a trajectory point lacks the objects whose tensors were in its restore unit; a
             # model's provider names its missing tensors itself (the rest loads with strict=False)
             gone = {p for p in data.restore_objects if objects.get(p) != ModuleProvider.kind
@@ -88,6 +88,10 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
             for prefix, obj in targets.items():
                 if prefix not in objects or prefix in gone:
                     problems.missing.append(prefix)
+                elif not _reads(provider_for(obj).kind, objects[prefix]):  # its provider could not read the state
+                    problems.mismatched.append((prefix, f"{_a(type(obj).__qualname__)} ({provider_for(obj).kind})",
+                                                f"the state of {_a(_KINDS.get(objects[prefix], objects[prefix]))}"))
+                    other_kind.append(prefix)
                 else:
                     with _named_as_damage(prefix, step, run_dir):
                         checked[prefix] = provider_for(obj).check(obj, state_of(prefix), ctx)
@@ -97,17 +101,19 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
             loading = {prefix: targets[prefix] for prefix, found in checked.items()
                        if not provider_for(targets[prefix]).leaves_unloaded(found)}
             restored = Restored(step=step, time=data.row.time, problems=problems, rng=own_rng in loading,
-                                skipped=[prefix for prefix in checked if prefix not in loading],
+                                skipped=[prefix for prefix in targets
+                                         if prefix in other_kind or prefix in checked and prefix not in loading],
                                 rounded=_rounded(data, loading, run_dir))
             if world_size == 1:  # one process takes whole tensors: read them in one batch
                 into = {f"{prefix}/{rel}": t for prefix, obj in loading.items()
                         for rel, t in provider_for(obj).destinations(obj, ctx).items()}
                 data.prefetch([n for n in data.records if any(under(n, p) for p in loading)], into)
-            for prefix in checked:  # in the order of targets
-                obj = targets[prefix]
-                result = provider_for(obj).load(obj, state_of(prefix), ctx) if prefix in loading else obj
-                if prefix.startswith("extra/"):
-                    restored.extra[prefix[6:]] = result
+            for prefix, obj in targets.items():
+                if prefix in loading:
+                    with _named_in_errors(prefix, step, list(loading)):
+                        obj = provider_for(obj).load(obj, state_of(prefix), ctx)
+                if prefix.startswith("extra/") and (prefix in checked or prefix in other_kind):
+                    restored.extra[prefix[6:]] = obj
             for prefix, kind in objects.items():
                 key = prefix[6:]
                 if prefix.startswith("extra/") and key not in restored.extra:
@@ -144,6 +150,36 @@ def _named_as_damage(prefix: str, step: int, run_dir: str):
     except (TypeError, KeyError, AttributeError, IndexError) as exc:
         raise CorruptionError(f"the stored state of {prefix!r} in step {step} of {run_dir} is not what its "
                               f"provider wrote ({type(exc).__name__}: {exc}): the step's data is damaged") from exc
+
+
+# what each built-in provider stores, as a restore mismatch names it
+_KINDS = {"ModuleProvider": "module", "OptimizerProvider": "optimizer", "StateDictProvider": "object with state_dict()",
+          "TreeProvider": "plain value or tensor", "RNGProvider": "RNG"}
+
+
+def _reads(target: str, stored: str) -> bool:
+    """Whether a target whose provider is of kind ``target`` can load a state stored by
+    one of kind ``stored``: the same kind, or a module from a plain tree of its tensors
+    by their ``state_dict()`` names (as the Lightning integration writes it)."""
+    return target == stored or (target, stored) == ("ModuleProvider", "TreeProvider")
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+@contextmanager
+def _named_in_errors(prefix: str, step: int, order: list[str]):
+    """An object's own ``load_state_dict()`` (or a provider's load) that raises: the
+    error says which object of the step, and which were loaded before it (``order``:
+    the objects loaded, in order)."""
+    try:
+        yield
+    except Exception as exc:
+        before = order[:order.index(prefix)]
+        exc.add_note(f"datastates-hist: raised while loading {prefix!r} of step {step}"
+                     + (f", after {', '.join(repr(p) for p in before)} had been loaded" if before else ""))
+        raise
 
 
 def _rel(name: str, prefix: str) -> str:

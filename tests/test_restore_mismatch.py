@@ -227,3 +227,61 @@ def test_non_strict_skips_the_state_of_a_reshaped_parameter_only(run_dir, backen
         "optim/state/1.weight/exp_avg", "optim/state/1.weight/exp_avg_sq"]
     assert r.skipped == []
     train_step(target, target_opt, forward, 8)  # every state is whole: the optimizer steps on
+
+
+class Counter:
+    def __init__(self, n=0):
+        self.n = n
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+@pytest.mark.parametrize("passed, stored", [
+    (lambda opt: torch.zeros(1), "extra/sched: expected a Tensor (TreeProvider), found the state of an object "
+                                 "with state_dict()"),
+    (lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2), "extra/epoch: expected a StepLR (StateDictProvider), "
+                                                          "found the state of a plain value or tensor"),
+    (lambda opt: {}, "extra/sched: expected a dict (TreeProvider), found the state of an object with state_dict()"),
+])
+def test_an_extra_of_another_kind_than_the_stored_one_is_a_mismatch(run_dir, passed, stored):
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dh.Checkpointer(run_dir) as ckpt:
+        ckpt.write(0, model, opt, sched=torch.optim.lr_scheduler.StepLR(opt, 2), epoch=3)
+        key = stored.split(":")[0].removeprefix("extra/")
+        target = passed(opt)
+        with pytest.raises(dh.RestoreMismatchError) as caught:
+            ckpt.restore(0, model, opt, **{key: target})
+        assert str(caught.value).splitlines()[1] == f"  {stored}"
+        restored = ckpt.restore(0, model, opt, strict=False, **{key: target})
+        assert restored.skipped == [f"extra/{key}"] and restored.extra[key] is target
+        assert restored.extra["epoch" if key == "sched" else "sched"] is not None  # the other one rebuilt
+
+
+def test_an_optimizer_restored_without_its_model_is_refused(run_dir):
+    model = nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters())
+    with dh.Checkpointer(run_dir) as ckpt:
+        ckpt.write(0, model, opt)
+        with pytest.raises(TypeError, match=r"^restore\(\) of an optimizer needs the model: the optimizer's state "
+                                            r"is matched to its parameters by their names in the model"):
+            ckpt.restore(0, optimizer=opt)
+
+
+def test_a_failing_load_state_dict_says_which_extra_and_what_was_loaded_before(run_dir):
+    class Refuses(Counter):
+        def load_state_dict(self, state):
+            raise ValueError("cannot load")
+
+    model = nn.Linear(2, 2)
+    with dh.Checkpointer(run_dir) as ckpt:
+        ckpt.write(0, model, sampler=Counter(4), bad=Refuses(5))
+        with pytest.raises(ValueError) as caught:
+            ckpt.restore(0, model, sampler=Counter(), bad=Refuses())
+    assert caught.value.args == ("cannot load",)
+    assert caught.value.__notes__ == ["datastates-hist: raised while loading 'extra/bad' of step 0, after 'model', "
+                                      "'rng', 'extra/sampler' had been loaded"]

@@ -126,6 +126,10 @@ NAME_CASES = [
     ("one tensor named twice", {"x": {"y": T}, "x/y": T}, "two tensors are named 'extra/x/y'; rename one"),
     ("one value named twice", {"opt": torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), "opt/state": 1},
      "two values are named 'extra/opt/state'; rename one"),
+    ("restore()'s strict", {"strict": 1},
+     "an extra cannot be named 'strict': restore() takes strict= as its own option; rename it"),
+    ("restore()'s rng", {"rng": {"seed": 1}},
+     "an extra cannot be named 'rng': restore() takes rng= as its own option; rename it"),
 ]
 
 
@@ -271,3 +275,19 @@ def test_big_endian_arrays_are_stored_value_exact(run_dir, backend):
         got = restored[key]
         assert got.dtype == array.dtype.newbyteorder("=") and got.dtype.isnative
         assert np.array_equal(got, array) and got.tobytes() == array.astype(got.dtype).tobytes()
+
+
+def test_an_error_of_an_extras_own_state_dict_says_whose_it_is(run_dir):
+    class Broken:
+        def state_dict(self):
+            raise KeyError("weights")
+
+        def load_state_dict(self, state):
+            pass
+
+    with dh.Checkpointer(run_dir) as ckpt:
+        with pytest.raises(KeyError) as caught:
+            ckpt.write(0, torch.nn.Linear(2, 2), sampler=Broken())
+        assert caught.value.__notes__ == ["datastates-hist: raised while collecting 'extra/sampler' for step 0"]
+        ckpt.write(0, torch.nn.Linear(2, 2))  # nothing of the refused step was kept
+    assert dh.open(run_dir).steps == [0]
