@@ -17,7 +17,7 @@ states stays a *restore point*, the others become *trajectory points* (their
 restore unit, which holds only this process's RNG state, is removed): no
 tensor of a source is lost either way. Names are
 those of a native run: ``model/<state dict key>``, the optimizer state as
-:class:`.torch_providers.OptimizerProvider` lays it out (``optim/state/<param>/<key>``,
+:class:`.optimizer_state.OptimizerProvider` lays it out (``optim/state/<param>/<key>``,
 parameters by name where the source names them, else ``@<position>``), and the
 other parts of a checkpoint as extras (``extra/scheduler``, ``extra/trainer_state``).
 """
@@ -37,7 +37,8 @@ import torch
 from .. import values
 from ..items import TensorItem, ValueItem
 from ..providers import StateProvider, register_provider
-from ..torch_providers import ModuleProvider, OptimizerProvider
+from ..optimizer_state import OptimizerProvider
+from ..torch_providers import ModuleProvider
 from .reading import is_inside
 from .sources import Source, read_source
 
@@ -84,14 +85,14 @@ class OptimizerState:
     def parameter_names(self) -> dict[Any, str]:
         """Each parameter's key in the state dict -> its stored name: its own when the
         source names parameters (DCP's ``get_state_dict``), else ``@<position>`` as
-        :class:`.torch_providers.OptimizerProvider` names a parameter it cannot name."""
+        :class:`.optimizer_state.OptimizerProvider` names a parameter it cannot name."""
         keys = [p for g in self.state_dict["param_groups"] for p in g["params"]]
         # DCP keeps state keys as strings ("0") beside int params (0): compare them as strings
         return {str(p): p if isinstance(p, str) else f"@{k}" for k, p in enumerate(keys)}
 
 
 class OptimizerStateProvider(StateProvider):
-    """An optimizer state dict in the layout of :class:`.torch_providers.OptimizerProvider`."""
+    """An optimizer state dict in the layout of :class:`.optimizer_state.OptimizerProvider`."""
 
     kind = OptimizerProvider.kind
 
