@@ -25,7 +25,7 @@ from .items import TensorRecord, is_distribution
 from .layout import (INDEX_FILE, PARTIAL, RANKS_SUFFIX, entry_path, file_not_run, finished_units, index_path,
                      step_stem, steps_dir)
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

@@ -5,7 +5,8 @@ scheduler's state, each optimizer param group's options) is a scalar, named by
 its path in the values: ``extra/data/loss``, ``extra/scheduler/_last_lr/0``,
 ``optim/param_groups/0/lr``. A provider's wrapper is left out of the path (the
 ``{"type", "state"}`` of a ``state_dict()`` object, the ``groups[i].options``
-of an optimizer). Bools count as numbers (0 and 1); strings, bytes, None and
+of an optimizer). numpy scalars count as the numbers they equal (complex ones
+do not). Bools count as numbers (0 and 1); strings, bytes, None and
 RNG states are not scalars, nor are lists longer than :data:`MAX_LIST` (a
 series, not a handful of settings). The commit records them in the index
 (docs/format.md); :class:`~datastates_hist.history.History` reads them.
@@ -21,7 +22,10 @@ import fnmatch
 import math
 from typing import Any, Iterator
 
+import numpy as np
+
 from .items import under
+from .values import decode_numpy
 
 # Names a scalar may be given by, shortest first: ``loss`` for ``extra/data/loss``.
 SHORT_PREFIXES = ("extra/data/", "extra/")
@@ -89,6 +93,14 @@ def _numbers(value: Any, path: str, depth: int = 0) -> Iterator[tuple[str, int |
                 except (TypeError, ValueError):
                     pass  # a malformed tag names no number
                 return
+            if tag == "__numpy__":  # a numpy scalar: as the Python number it equals
+                try:
+                    number = decode_numpy(inner)
+                except (TypeError, ValueError):
+                    return  # a malformed tag names no number
+                if not isinstance(number, np.complexfloating):  # SQLite has no complex numbers
+                    yield from _numbers(number.item(), path, depth)
+                return
             if tag == "__tuple__":
                 yield from _numbers(inner, path, depth)
                 return
@@ -97,11 +109,25 @@ def _numbers(value: Any, path: str, depth: int = 0) -> Iterator[tuple[str, int |
             if tag == "__dict__":
                 pairs = inner if isinstance(inner, list) else []
                 for pair in pairs:
-                    if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (str, int)):
-                        yield from _numbers(pair[1], f"{path}/{pair[0]}", depth + 1)
+                    if isinstance(pair, list) and len(pair) == 2:
+                        key = _numpy_key(pair[0])
+                        if isinstance(key, (str, int)):
+                            yield from _numbers(pair[1], f"{path}/{key}", depth + 1)
                 return
         for key, v in value.items():
             yield from _numbers(v, f"{path}/{key}", depth + 1)
+
+
+def _numpy_key(key: Any) -> Any:
+    """A dict key as its path part: a numpy integer key (``{"__numpy__": ["int64", 3]}``)
+    as the Python int it equals, as such keys were stored before format version 6."""
+    if isinstance(key, dict) and len(key) == 1 and "__numpy__" in key:
+        try:
+            number = decode_numpy(key["__numpy__"])
+        except (TypeError, ValueError):
+            return None
+        return number.item() if isinstance(number, (np.integer, np.bool_)) else None
+    return key
 
 
 def short_forms(name: str) -> list[str]:

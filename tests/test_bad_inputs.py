@@ -20,6 +20,7 @@ import torch
 import datastates_hist as dh
 from datastates_hist import backends
 from datastates_hist.backends import _adios2_capi
+from datastates_hist.index import FORMAT_VERSION
 from datastates_hist.items import TensorItem
 from datastates_hist.providers import StateProvider, register_provider
 from datastates_hist.store import Store
@@ -83,7 +84,7 @@ def newer_format_for_a_reader(tmp):
     committed(run)
     conn = sqlite3.connect(os.path.join(run, "index.sqlite"))
     with conn:
-        conn.execute("UPDATE meta SET value='6' WHERE key='format_version'")
+        conn.execute("UPDATE meta SET value=? WHERE key='format_version'", (str(FORMAT_VERSION + 1),))
     conn.close()
     Store(run)
 
@@ -334,7 +335,8 @@ CASES = [
     ("writer on a read-only file system", existing_run_on_read_only_fs, PermissionError,
      r"the run directory .*/ro/run is not writable"),
     ("reader of a newer format", newer_format_for_a_reader, dh.FormatError,
-     r"written in format version 6; this datastates-hist reads up to version 5: upgrade datastates-hist"),
+     rf"written in format version {FORMAT_VERSION + 1}; this datastates-hist reads up to version {FORMAT_VERSION}: "
+     r"upgrade datastates-hist"),
     ("second writer in another process", writer_in_another_process, dh.StoreLockedError,
      rf"run is being written by pid (?!{os.getpid()})\d+ on {socket.gethostname()}; one writer per run"),
     ("step equal to one in flight", step_equal_to_one_in_flight, dh.StepOrderError, r"step 1 is not after step 1"),

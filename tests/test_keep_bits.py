@@ -20,6 +20,7 @@ import torch
 
 import datastates_hist as dh
 from datastates_hist import rounding
+from datastates_hist.index import FORMAT_VERSION
 from datastates_hist.layout import index_path, restore_unit, step_stem, steps_dir
 from datastates_hist.repair import repair_run
 from datastates_hist.store import Store
@@ -160,7 +161,7 @@ def test_restore_points_read_and_restore_bit_exact(run):
 
 
 def test_the_index_records_how_each_tensor_is_rounded(run):
-    assert rows(run, "SELECT value FROM meta WHERE key='format_version'") == [("5",)]
+    assert rows(run, "SELECT value FROM meta WHERE key='format_version'") == [(str(FORMAT_VERSION),)]
     found = {(s, n): rest for s, n, *rest in rows(
         run, "SELECT step, name, keep_bits, bound, exact_checksum IS NOT NULL, low_stored > 0, part"
              " FROM tensors WHERE name LIKE 'model/%'")}
