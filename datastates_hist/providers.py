@@ -233,9 +233,12 @@ class TreeProvider(StateProvider):
         skeleton = state.values.get("")
         tensors = {n: state.tensor(n) for n in state.records}
         restored = values.decode(skeleton, tensors)
-        if isinstance(obj, torch.Tensor) and isinstance(restored, torch.Tensor):
+        if isinstance(obj, torch.Tensor) and isinstance(restored, (torch.Tensor, np.ndarray)):
             with torch.no_grad():
-                obj.copy_(restored)
+                obj.copy_(torch.as_tensor(restored))
+            return obj
+        if isinstance(obj, np.ndarray) and isinstance(restored, (torch.Tensor, np.ndarray)) and obj.flags.writeable:
+            np.copyto(obj, restored.numpy() if isinstance(restored, torch.Tensor) else restored)
             return obj
         return restored
 
@@ -243,7 +246,7 @@ class TreeProvider(StateProvider):
         problems = Problems()
         if "" not in state.values:
             problems.missing.append("")
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, (torch.Tensor, np.ndarray)):  # loaded in place: of the stored shape and dtype
             problems = compare(self.items(obj, ctx), state)
         return problems
 

@@ -285,3 +285,20 @@ def test_a_failing_load_state_dict_says_which_extra_and_what_was_loaded_before(r
     assert caught.value.args == ("cannot load",)
     assert caught.value.__notes__ == ["datastates-hist: raised while loading 'extra/bad' of step 0, after 'model', "
                                       "'rng', 'extra/sampler' had been loaded"]
+
+
+def test_a_numpy_array_is_restored_in_place_like_a_tensor(run_dir, backend):
+    import numpy as np
+
+    model = nn.Linear(2, 2)
+    with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+        ckpt.write(0, model, arr=np.arange(3.0), t=torch.arange(4.0))
+        live, into = np.zeros(3), np.zeros(4, dtype=np.float32)
+        restored = ckpt.restore(0, model, arr=live, t=into)
+        assert restored.extra["arr"] is live and live.tolist() == [0.0, 1.0, 2.0]
+        assert restored.extra["t"] is into and into.tolist() == [0.0, 1.0, 2.0, 3.0]
+        other = np.zeros(5)
+        with pytest.raises(dh.RestoreMismatchError) as caught:
+            ckpt.restore(0, model, arr=other)
+        assert str(caught.value).splitlines()[1] == "  extra/arr: expected float64[5], found float64[3]"
+        assert not other.any()
