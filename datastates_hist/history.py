@@ -52,7 +52,8 @@ class History:
         """A pandas DataFrame of the tensors of ``step``: name, shape, dtype, nbytes, statistics,
         and how each is stored (encoding, stored bytes, the update ratio of a delta; for a
         tensor rounded to ``keep_bits`` in a trajectory point, the bits kept and the relative
-        error bound, NaN for exact tensors). The statistics are of the exact values."""
+        error bound, NaN for a tensor that reads exact: a restore point's rounded tensors read
+        exact, with their low bits; see :attr:`.items.TensorRecord.rounded_bits`). The statistics are of the exact values."""
         import pandas as pd
 
         columns = ["name", "shape", "dtype", "nbytes", *STAT_KEYS, "encoding", "stored", "update_ratio",
@@ -61,8 +62,8 @@ class History:
                  **{k: r.stats.get(k, math.nan) for k in STAT_KEYS}, "encoding": r.encoding,
                  "stored": r.stored_bytes + (r.low_stored or 0),
                  "update_ratio": math.nan if r.update_ratio is None else r.update_ratio,
-                 "keep_bits": math.nan if r.keep_bits is None else r.keep_bits,
-                 "bound": math.nan if r.bound is None else r.bound}
+                 "keep_bits": math.nan if r.rounded_bits is None else r.keep_bits,
+                 "bound": math.nan if r.rounded_bits is None else r.bound}
                 for r in self.store.records(step)]
         return pd.DataFrame(rows, columns=columns)
 
@@ -350,6 +351,8 @@ def selection(index: Any, shape: tuple[int, ...]) -> tuple[tuple, tuple, tuple]:
     index = index + (slice(None),) * (len(shape) - len(index))
     start, count, post = [], [], []
     for i, n in zip(index, shape):
+        if isinstance(i, (bool, np.bool_)):  # numpy takes True as a new axis, torch as a mask: neither is read
+            raise TypeError(f"unsupported index {i!r}: a bool is no position; use ints, slices and ...")
         if isinstance(i, slice):
             lo, hi, stride = i.indices(n)
             picked = range(lo, hi, stride)

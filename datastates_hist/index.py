@@ -391,13 +391,32 @@ class Index:
 
     def tensor_stats(self, name: str) -> list[tuple]:
         """``(step, time, norm, min, max, mean, std, nonfinite, update_ratio)`` of tensor ``name``
-        at every step."""
+        at every step, each row checked as :meth:`records` and :meth:`step_row` check theirs
+        (a statistic that is text, a time that is none: :class:`CorruptionError`)."""
         ratio = "t.update_ratio" if "update_ratio" in self._tensor_columns else "NULL"
-        return self._read(
-            f"SELECT t.step, s.time, t.norm, t.min, t.max, t.mean, t.std, t.nonfinite, {ratio}"
+        rows = self._read(
+            f"SELECT s.*, t.norm, t.min, t.max, t.mean, t.std, t.nonfinite, {ratio}, t.dtype, t.shape, t.nbytes"
             " FROM tensors t JOIN steps s ON s.step = t.step WHERE t.name=? ORDER BY t.step",
             (name,),
         )
+        width = len(StepRow.__dataclass_fields__)
+        found = []
+        for values in rows:
+            row = self._step_row(values[:width])
+            *stats, update_ratio, dtype, shape, nbytes = values[width:]
+            try:
+                TensorRecord.from_json({
+                    "name": name, "dtype": dtype, "shape": json.loads(shape), "nbytes": nbytes,
+                    "stats": {k: v for k, v in zip(STAT_KEYS, stats) if v is not None},
+                    "update_ratio": update_ratio},
+                    indexed=True)
+            except (ValueError, TypeError) as exc:  # the checks of records(): a damaged or crafted row
+                raise CorruptionError(
+                    f"the index {self.path} is damaged: step {row.step}: {exc} (rebuild it from the step data "
+                    f"with: datastates-hist repair {self.run_dir})"
+                ) from None
+            found.append((row.step, row.time, *stats, update_ratio))
+        return found
 
     def distributions(self, name: str) -> list[tuple[int, dict]]:
         """``(step, distribution)`` of tensor ``name`` at every step that records one

@@ -197,6 +197,14 @@ class TensorRecord:
         """Whether the exact value can be read: rounded, with its low bits in the restore unit."""
         return self.low_stored is not None
 
+    @property
+    def rounded_bits(self) -> int | None:
+        """The mantissa bits kept where what a read gives is rounded: a tensor rounded to
+        ``keep_bits`` whose low bits are gone (a trajectory point's); None where a read
+        gives the exact value written: an exact tensor, or a rounded one of a restore point,
+        whose restore unit keeps its low bits (docs/format.md, section 6)."""
+        return None if self.keep_bits is None or self.has_low_bits else self.keep_bits
+
     def without_low_bits(self) -> "TensorRecord":
         """The record as a trajectory point holds it: a lossy tensor's low bits (and the
         checksum of its exact bytes) are gone with the restore unit."""

@@ -127,10 +127,8 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
 def _rounded(data, loading: dict, run_dir: str) -> dict[str, int]:
     """The tensors of ``loading``'s objects that a trajectory point keeps rounded (its
     low bits went with its restore unit); said in a warning too, as they load inexact."""
-    if data.row.tier != "trajectory":
-        return {}
-    rounded = {name: record.keep_bits for name, record in data.records.items()
-               if record.keep_bits is not None and any(under(name, prefix) for prefix in loading)}
+    rounded = {name: record.rounded_bits for name, record in data.records.items()
+               if record.rounded_bits is not None and any(under(name, prefix) for prefix in loading)}
     if rounded:
         shown = ", ".join(list(rounded)[:3]) + (f" and {len(rounded) - 3} more" if len(rounded) > 3 else "")
         bits, alike = min(rounded.values()), len(set(rounded.values())) == 1

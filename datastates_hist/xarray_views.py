@@ -25,6 +25,7 @@ import os
 import threading
 import warnings
 import weakref
+from collections import Counter
 from typing import Any, Iterable
 
 import numpy as np
@@ -36,9 +37,9 @@ from xarray.core import indexing
 
 from .dtypes import torch_dtype
 from .errors import CorruptionError, ShapeChangeError, StepNotFoundError
-from .items import TensorRecord, selected_names
+from .items import TensorRecord, selected, selected_names
 from .layout import asked_step
-from .scalars import matches_scalar
+from .scalars import close_hint, matches_scalar, resolve_scalar
 
 # Dtypes numpy lacks (bfloat16, float8) or that most numpy code handles poorly (float16).
 _WIDENED = {torch.bfloat16, torch.float16} | {
@@ -161,7 +162,8 @@ def select_steps(history, steps: Any) -> list[int]:
     """Committed steps chosen by value: None (all), a slice, an int, or a list.
 
     ``slice(0, 1000, 10)`` means the committed steps among 0, 10, 20, ..., 990;
-    a step listed explicitly must be committed.
+    a step listed explicitly must be committed, and listed once (a step coordinate
+    holds each step once: ``sel(step=...)`` takes one value).
     """
     committed = history.steps
     if steps is None:
@@ -177,6 +179,9 @@ def select_steps(history, steps: Any) -> list[int]:
     if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
         raise TypeError(f"steps: None, a slice, a step or a list of steps, got {steps!r}")
     chosen = [asked_step(s) for s in steps]
+    repeated = sorted(s for s, n in Counter(chosen).items() if n > 1)
+    if repeated:
+        raise ValueError(f"steps {repeated} are listed more than once: list each step once")
     have = set(committed)
     missing = [s for s in chosen if s not in have]
     if missing:
@@ -331,6 +336,24 @@ def _scalar_variable(name: str, values: np.ndarray) -> xr.Variable:
     return var
 
 
+def _check_names(history, patterns: list[str], scalars: list[str]) -> None:
+    """Raise KeyError, as ``History.trace`` does, for each of ``patterns`` (names or globs)
+    that selects no tensor of any step of ``history`` and no scalar: a typo gives an
+    error, not a dataset without it."""
+    tensors = history.names()
+    chosen = selected(tensors, patterns)
+    unmatched = [p for p in patterns if not chosen[p] and not any(_scalar_selected(n, [p]) for n in scalars)]
+    if unmatched:
+        hint = close_hint(unmatched[0], scalars + tensors)
+        raise KeyError(f"no tensor or scalar of {history.path} matches {', '.join(map(repr, unmatched))}{hint}")
+
+
+def _scalar_selected(name: str, patterns: list[str]) -> bool:
+    """Whether one of ``patterns`` selects scalar ``name``: the name or a short form of it
+    (``loss``; even one holding glob characters, ``acc[top1]``), or a glob of them."""
+    return matches_scalar(name, patterns) or any(resolve_scalar(p, [name]) is not None for p in patterns)
+
+
 def open_history_dataset(history, names: str | Iterable[str] | None = None,
                          steps: Any = None, drop_variables: Iterable[str] = ()) -> xr.Dataset:
     """Every tensor of ``history`` (matching ``names``) as a lazy variable over ``steps``,
@@ -339,11 +362,18 @@ def open_history_dataset(history, names: str | Iterable[str] | None = None,
     Tensors whose shape or dtype changes, or that some of the steps lack, are
     left out, listed in ``attrs["inconsistent_shapes"]`` / ``attrs["partial_tensors"]``
     (stored names, one per line: netCDF attributes hold no lists of strings) and warned
-    about: one array over ``step`` cannot hold them faithfully.
+    about: one array over ``step`` cannot hold them faithfully. A name or glob of
+    ``names`` that selects no tensor (of any step) and no scalar raises KeyError, as
+    ``History.trace`` and ``History.to_xarray`` do; a step listed twice, ValueError.
     """
-    patterns = [names] if isinstance(names, str) else (list(names) if names is not None else None)
+    from .history import name_list  # History imports this module when called, never at its own import
+
+    patterns = None if names is None else name_list(names)
     drop = set(drop_variables)
     chosen = select_steps(history, steps)
+    scalars = history.scalars()
+    if patterns is not None:
+        _check_names(history, patterns, list(scalars.columns))
     variables, inconsistent, partial, details = {}, [], [], []
     layout = _layout(history, chosen)
     wanted = None if patterns is None else selected_names(list(layout), patterns)
@@ -361,9 +391,9 @@ def open_history_dataset(history, names: str | Iterable[str] | None = None,
             continue
         dtype, shape = next(iter(per_step.values()))
         variables[_free(safe, variables)] = _variable(history, name, chosen, dtype, shape, ("step", *dimension_names(shape)))
-    for name, values in history.scalars().reindex(chosen).items():
+    for name, values in scalars.reindex(chosen).items():
         safe = variable_name(name)
-        if patterns is not None and not matches_scalar(name, patterns) or name in drop or safe in drop:
+        if patterns is not None and not _scalar_selected(name, patterns) or name in drop or safe in drop:
             continue
         variables[_free(safe, variables)] = _scalar_variable(name, values.to_numpy())
     if inconsistent:

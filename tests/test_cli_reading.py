@@ -282,3 +282,28 @@ def test_export_names_are_keys_never_paths(tmp_path):
     from safetensors.torch import load_file
 
     assert {"extra/..escape", "extra/a\\..\\b"} <= set(load_file(str(out_dir / "all.safetensors")))
+
+
+def test_export_of_a_trajectory_point_says_what_a_restore_point_would_hold(trajectory_run, tmp_path):
+    """Step 3 keeps the model exact (Trajectory("model/*")): its model exports as a restore
+    point's does, in silence; with --all, stderr says what the export lacks and where it is."""
+    target = str(tmp_path / "s3.safetensors")
+    out = cli("export", trajectory_run, "3", "--to", target)
+    assert (out.returncode, out.stdout, out.stderr) == (0, f"wrote 9 tensors of step 3 to {target}\n", "")
+    from safetensors import safe_open
+
+    with safe_open(target, "pt") as f:
+        assert "keep_bits" not in f.metadata()
+    with dh.open(trajectory_run) as h:
+        lacking = [n for n in h.names(4) if n not in h.names(3)]  # 4: the restore point nearest to 3
+    groups = {n.split("/")[0] for n in lacking}
+    assert groups == {"optim", "rng"}
+    counts = ", ".join(f"{g}/*: {sum(n.startswith(g + '/') for n in lacking)}" for g in sorted(groups))
+    out = cli("export", trajectory_run, "3", "--to", target, "--all", "--force")
+    assert (out.returncode, out.stdout) == (0, f"wrote 9 tensors of step 3 to {target}\n")
+    assert out.stderr == (f"datastates-hist: step 3 of {trajectory_run} is a trajectory point, which keeps only the "
+                          f"trajectory's tensors: it lacks {len(lacking)} tensor(s) that restore point 4 (the "
+                          f"nearest) holds ({counts}), and so does the export\n")
+    out = cli("export", trajectory_run, "4", "--to", target, "--all", "--force")  # a restore point: all of it
+    assert (out.returncode, out.stderr) == (0, "")
+    assert out.stdout == f"wrote {len(stored_names(trajectory_run, 4))} tensors of step 4 to {target}\n"

@@ -162,6 +162,12 @@ def test_read_rejects_bad_indexes(run):
         run.read("0.weight", 0, index=(0, 0, 0))
     with pytest.raises(TypeError, match="unsupported index"):
         run.read("0.weight", 0, index=[0, 1])
+    # a bool is an int to Python, but no position: numpy takes True as a new axis
+    for index in (True, False, np.True_, (0, True)):
+        with pytest.raises(TypeError) as exc:
+            run.read("0.weight", 0, index=index)
+        assert str(exc.value) == (f"unsupported index {(index[1] if isinstance(index, tuple) else index)!r}: "
+                                  "a bool is no position; use ints, slices and ...")
 
 
 def test_diff_metrics_match_numpy(run, built_dir):

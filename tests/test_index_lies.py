@@ -5,6 +5,7 @@ back. What a demotion cut short leaves is still cleaned up."""
 import os
 import sqlite3
 
+import numpy as np
 import pytest
 import torch
 
@@ -145,3 +146,46 @@ def test_prune_keeps_the_bases_the_manifests_name_when_the_index_says_otherwise(
     assert str(caught.value) == (f"nothing was pruned: step 5, which stays, cannot be checked: {damaged}; "
                                  f"check the run with: datastates-hist verify {run_dir}")
     assert units(run_dir) == before
+
+
+@pytest.mark.parametrize("sql, what", [
+    ("UPDATE tensors SET norm='big' WHERE step=3 AND name='model/weight'",
+     "step 3: tensor 'model/weight' has malformed statistics: {'norm': 'big', "),
+    ("UPDATE tensors SET update_ratio='fast' WHERE step=3 AND name='model/weight'",
+     "step 3: tensor 'model/weight' has the update ratio fast, which is not a number or null"),
+    ("UPDATE tensors SET nonfinite=-1 WHERE step=3 AND name='model/weight'",
+     "step 3: tensor 'model/weight' has malformed statistics: {'norm': "),
+    ("UPDATE steps SET time='yesterday' WHERE step=3", "(the row of step 3 holds (3, 'yesterday', "),
+])
+def test_statistics_that_are_no_numbers_are_named_as_damage_by_stats_and_trace(tmp_path, capsys, sql, what):
+    """h.stats and h.trace read the index's statistics checked as show's records are:
+    text where a number belongs is damage (CorruptionError, exit 4) naming the index, the
+    step, the tensor and the column, never a column of text or a usage error."""
+    from datastates_hist.cli import EXIT_DAMAGED, main
+
+    run_dir = str(tmp_path / "run")
+    make_run(run_dir, "adios2")
+    edit_index(run_dir, sql)
+    index = os.path.join(run_dir, "index.sqlite")
+    with dh.open(run_dir) as h:
+        for read in (lambda: h.stats("weight"), lambda: h.trace(["weight"]),
+                     lambda: h.trace("weight", "update_ratio"), lambda: h.to_xarray("weight", steps=[])):
+            with pytest.raises(dh.CorruptionError) as caught:
+                read()
+            message = str(caught.value)
+            assert message.startswith(f"the index {index} is damaged") and what in message, message
+            assert f"rebuild it from the step data with: datastates-hist repair {run_dir}" in message
+        if sql.startswith("UPDATE tensors"):
+            assert h.stats("bias")["norm"].dtype == np.float64  # the other tensor's rows are sound
+    for stat in ("norm", "update_ratio"):
+        assert main(["trace", run_dir, "weight", "--stat", stat]) == EXIT_DAMAGED
+        out, err = capsys.readouterr()
+        assert out == "" and err == f"datastates-hist: {message}\n"
+    for side in ("", "-wal", "-shm"):
+        if os.path.exists(index + side):
+            os.remove(index + side)
+    repair_run(run_dir)
+    with dh.open(run_dir) as h:
+        stats = h.stats("weight")
+        assert list(stats.index) == list(range(6)) and all(t == np.float64 for t in stats.dtypes.drop("nonfinite"))
+    assert main(["trace", run_dir, "weight"]) == 0

@@ -197,6 +197,95 @@ def test_show_prints_the_kept_bits_and_the_bound(run):
     assert bounds == "* rounded to 8 mantissa bits (relative error at most 0.00195)"
 
 
+def test_a_restore_points_tensors_read_exact_and_are_not_marked_rounded(run, capsys):
+    """A restore point keeps the low bits of the tensors its trajectory point will keep
+    rounded: show and h.tensors call them exact, as reads, export and restore give them."""
+    from datastates_hist.cli import main
+
+    assert main(["show", run, "11", "--json"]) == 0
+    records = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    for name in ROUNDED:
+        assert (records[name]["keep_bits"], records[name]["bound"]) == (None, None), name
+        assert records[name]["low_stored"] > 0, name  # its low bits, in the restore unit
+    assert main(["show", run, "11"]) == 0
+    out = capsys.readouterr().out
+    assert "*" not in out and "rounded" not in out
+    with dh.open(run) as h:
+        exact, lossy = h.tensors(11).set_index("name"), h.tensors(3).set_index("name")
+        assert exact.loc[ROUNDED, ["keep_bits", "bound"]].isna().all().all()
+        assert (lossy.loc[ROUNDED, "keep_bits"] == KEEP_BITS).all()
+        assert (lossy.loc[ROUNDED, "bound"] == 2.0 ** -(KEEP_BITS + 1)).all()
+        assert lossy.loc[EXACT, "keep_bits"].isna().all()
+        for name in ROUNDED:
+            assert np.array_equal(bits(h.read(name, 11)), bits(SAVED[run]["model"][11][name])), name
+
+
+def exported(path: str) -> dict:
+    if path.endswith(".dcp"):
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+
+        state = {k: torch.empty_like(v) for k, v in torch.load(path[:-4] + ".pt", weights_only=True).items()}
+        with warnings.catch_warnings():  # no process group: one process, as intended
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+        return state
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, weights_only=True)
+
+
+def test_export_says_which_tensors_are_rounded_and_what_a_trajectory_point_lacks(run, tmp_path, capsys):
+    from safetensors import safe_open
+
+    from datastates_hist.cli import main
+
+    saved = SAVED[run]["model"]
+    with dh.open(run) as h:
+        order = [n.removeprefix("model/") for n in h.names(3) if n in ROUNDED]
+        lacking = [n for n in h.names(10) if n not in h.names(3)]  # 10: the restore point nearest to 3
+    shown = ", ".join(order[:5]) + " and 1 more"
+    for step in (3, 11):
+        for suffix in (".pt", ".safetensors", ".dcp"):  # the .pt first: the DCP's state dict is loaded by it
+            target = str(tmp_path / f"s{step}{suffix}")
+            assert main(["export", run, str(step), "--to", target]) == 0
+            out, err = capsys.readouterr()
+            assert out == f"wrote 8 tensors of step {step} to {target}\n"
+            got = exported(target)
+            if step == 11:  # a restore point: exact, and nothing to say
+                assert err == ""
+                for name, value in got.items():
+                    assert np.array_equal(bits(value), bits(saved[11]["model/" + name])), name
+                continue
+            assert err == (f"datastates-hist: step 3 of {run} is a trajectory point: 6 of the 8 tensors written are "
+                           f"rounded to 8 mantissa bits (relative error at most 0.00195), not exact: {shown}\n")
+            for name, value in got.items():
+                if "model/" + name in ROUNDED:
+                    assert_within_bound(value, saved[3]["model/" + name], KEEP_BITS, name)
+                else:
+                    assert np.array_equal(bits(value), bits(saved[3]["model/" + name])), name
+        with safe_open(str(tmp_path / f"s{step}.safetensors"), "pt") as f:
+            metadata = f.metadata()
+        assert json.loads(metadata.get("keep_bits", "{}")) == ({n: KEEP_BITS for n in order} if step == 3 else {})
+    # every tensor: the trajectory point holds the model's alone
+    assert {n.split("/")[0] for n in lacking} == {"optim", "rng"}
+    groups = ", ".join(f"{g}/*: {sum(n.startswith(g + '/') for n in lacking)}" for g in ("optim", "rng"))
+    target = str(tmp_path / "all.pt")
+    assert main(["export", run, "3", "--to", target, "--all"]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        f"datastates-hist: step 3 of {run} is a trajectory point: 6 of the 8 tensors written are rounded to 8 "
+        f"mantissa bits (relative error at most 0.00195), not exact: {', '.join('model/' + n for n in order[:5])} "
+        "and 1 more",
+        f"datastates-hist: step 3 of {run} is a trajectory point, which keeps only the trajectory's tensors: it "
+        f"lacks {len(lacking)} tensor(s) that restore point 10 (the nearest) holds ({groups}), and so does the export"]
+    assert main(["export", run, "11", "--to", target, "--all", "--force"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_verify_is_clean_and_repair_rebuilds_the_same_rows(run):
     assert verify_run(run) == []
     sql = "SELECT * FROM tensors ORDER BY step, name"
@@ -258,6 +347,7 @@ def test_a_demoted_step_forgets_its_low_bits_in_the_index(run):
     assert rows(run, "SELECT DISTINCT exact_checksum, low_stored FROM tensors WHERE step=10") == [(None, None)]
     with dh.open(run) as h:
         assert_within_bound(h.read("model/0.weight", 10), saved["model"][10]["model/0.weight"], KEEP_BITS, 10)
+        assert h.tensors(10).set_index("name").loc["model/0.weight", "keep_bits"] == KEEP_BITS  # now rounded
         # step 12 (restored from 11, then written): its exact values
         assert np.array_equal(bits(h.read("model/0.weight", STEPS)), bits(saved["model"][11]["model/0.weight"]))
     assert verify_run(run) == []

@@ -217,6 +217,32 @@ def test_open_dataset_names_steps_and_drop(path):
     ds.close()
 
 
+def test_open_dataset_refuses_names_that_match_nothing_and_steps_listed_twice(path, h):
+    """A name or glob that selects no tensor and no scalar is a KeyError, as h.to_xarray's
+    and h.trace's are, not a dataset without it; a step listed twice is refused by both."""
+    for names, unmatched, hint in [
+            ("0.wieght", "'0.wieght'", "; close names: model/0.weight, model/2.weight"),
+            ("model/blocks.*", "'model/blocks.*'", ""),
+            (["0.weight", "lrr", "nothing*"], "'lrr', 'nothing*'", "; close names: optim/param_groups/0/lr")]:
+        with pytest.raises(KeyError) as caught:
+            xr.open_dataset(path, engine="datastates", names=names)
+        assert caught.value.args[0] == f"no tensor or scalar of {h.path} matches {unmatched}{hint}"
+    with pytest.raises(KeyError, match="no tensor '0.wieght'"):
+        h.trace("0.wieght")
+    # a name held by other steps than those chosen is no typo: its variable is left out, as before
+    ds = xr.open_dataset(path, engine="datastates", names=["extra/late", "optim/param_groups/0/lr"], steps=[0, 1])
+    assert set(ds.data_vars) == {"optim.param_groups.0.lr"}
+    ds.close()
+    for steps in ([3, 3], [4, 3, 4]):
+        for read in (lambda: xr.open_dataset(path, engine="datastates", names="0.bias", steps=steps),
+                     lambda: h.to_xarray("0.bias", steps=steps)):
+            with pytest.raises(ValueError) as caught:
+                read()
+            assert str(caught.value) == f"steps {[steps[0]]} are listed more than once: list each step once"
+    with pytest.raises(TypeError, match="a name is a str, got 3"):
+        xr.open_dataset(path, engine="datastates", names=["0.bias", 3])
+
+
 def test_dask_chunks_follow_the_steps(path, h):
     pytest.importorskip("dask")
     with pytest.warns(UserWarning):

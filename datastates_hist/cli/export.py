@@ -13,16 +13,28 @@ into place (a temporary left by an earlier export is removed first, a link
 never followed). An existing PATH is replaced only with ``--force``, and a
 folder only when it is a DCP checkpoint (``.metadata`` and ``*.distcp`` files,
 nothing else): ``--force`` never deletes a folder of other files.
+
+A trajectory point is exported as it reads, and stderr says where that differs
+from a restore point: its tensors rounded to ``keep_bits`` (a lossy trajectory's:
+named, with their bits and relative error bound as ``show`` gives them; a
+safetensors file also records each in its metadata, ``keep_bits``: a JSON object
+of tensor name -> mantissa bits kept), and the tensors a restore point holds that
+it lacks (the optimizer's state, RNG, extras with ``--all``). A restore point's
+export is exact and says nothing.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+from collections import Counter
 
 from ..durable import remove_tree
 from . import STEP_HELP, add_command, resolve_step, step_choice
 
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".dcp": "dcp"}
+SHOWN = 5  # tensors a note names; more are counted
 
 
 def add_parser(sub):
@@ -106,6 +118,9 @@ def run(args) -> int:
             if not names:
                 raise KeyError(f"step {step} of {args.run} holds no model tensors (try --all)")
         tensors = {(n if args.all else short_name(n)): data.read(n).contiguous() for n in names}
+        rounded = {(n if args.all else short_name(n)): data.records[n] for n in names
+                   if data.records[n].rounded_bits is not None}  # as read: what was written
+        notes = export_notes(h, step, data, names, rounded, args.all)
     tmp, aside = target + ".partial", None
     remove_stale_temporary(tmp, kind)
     if kind == "dcp":
@@ -116,7 +131,10 @@ def run(args) -> int:
         elif kind == "safetensors":
             from safetensors.torch import save_file
 
-            save_file(tensors, tmp, metadata={"run": os.path.abspath(args.run), "step": str(step)})
+            metadata = {"run": os.path.abspath(args.run), "step": str(step)}
+            if rounded:
+                metadata["keep_bits"] = json.dumps({name: rec.keep_bits for name, rec in rounded.items()})
+            save_file(tensors, tmp, metadata=metadata)
             os.chmod(tmp, 0o666 & ~current_umask())  # safetensors makes it private (0600); an export is shared
         else:
             import torch
@@ -137,7 +155,43 @@ def run(args) -> int:
     if aside is not None:
         remove_tree(aside)
     print(f"wrote {len(tensors)} tensors of step {step} to {target}")
+    for note in notes:
+        print(f"datastates-hist: {note}", file=sys.stderr)
     return 0
+
+
+def export_notes(h, step: int, data, names: list[str], rounded: dict, every: bool) -> list[str]:
+    """What stderr says of an export of ``step`` (open as ``data``) that is not what a
+    restore point gives: its ``rounded`` tensors (export name -> record), and the
+    tensors of the nearest restore point in the export's scope (the model's, or
+    ``every`` tensor) that a trajectory point lacks. [] for a restore point."""
+    from ..items import MODEL_PREFIX
+    from .show import rounding_note
+
+    notes = []
+    trajectory = data.row.tier == "trajectory"
+    if rounded:
+        where = f"step {step} of {h.path} is a trajectory point: " if trajectory else ""
+        notes.append(f"{where}{len(rounded)} of the {len(names)} tensors written are {rounding_note(rounded.values())}"
+                     f", not exact: {listed(list(rounded))}")
+    if trajectory:
+        points = h.restore_points
+        near = min(points, key=lambda p: (abs(p - step), p), default=None)
+        held = h.names(near) if near is not None else h.names()
+        lacking = [n for n in held if n not in data.records and (every or n.startswith(MODEL_PREFIX))]
+        if lacking:
+            groups = Counter(n.split("/", 1)[0] + "/*" if "/" in n else n for n in lacking)
+            what = ", ".join(f"{group}: {count}" for group, count in sorted(groups.items()))
+            than = f"restore point {near} (the nearest)" if near is not None else "other steps"
+            notes.append(f"step {step} of {h.path} is a trajectory point, which keeps only the trajectory's tensors: "
+                         f"it lacks {len(lacking)} tensor(s) that {than} holds ({what}), and so does the export")
+    return notes
+
+
+def listed(names: list[str]) -> str:
+    """The first :data:`SHOWN` of ``names``, and how many more."""
+    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
 
 
 def current_umask() -> int:

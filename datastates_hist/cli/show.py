@@ -3,12 +3,13 @@
 Per tensor: its shape, dtype, how it is stored (``raw``, ``key``: compressed alone,
 ``delta<-B``: against its value at step B), its bytes as they are and as stored,
 and its norm (the table leaves min and max, in ``--json``, to fit 80 columns). A
-tensor rounded to ``keep_bits`` (a lossy trajectory point's) has a ``*`` after its
+tensor that reads rounded to ``keep_bits`` (a lossy trajectory point's) has a ``*`` after its
 encoding (``delta<-12*``; one character, so that names keep their room in 80
 columns), and a line under the table gives the bits kept and the relative error
-bound, ``2**-(bits+1)`` (``--json``: ``keep_bits`` and ``bound`` per tensor);
-the stored bytes of a restore point's rounded tensor count its low bits, kept in the
-restore unit.
+bound, ``2**-(bits+1)`` (``--json``: ``keep_bits`` and ``bound`` per tensor, null
+for a tensor that reads exact). A restore point's tensors read exact: the low bits
+of those its trajectory point will keep rounded lie in its restore unit (``--json``:
+``low_stored``), and their stored bytes count them.
 """
 
 from __future__ import annotations
@@ -46,17 +47,28 @@ def run(args) -> int:
         records = [r for r in records if r.name in wanted]
     data = [{"name": r.name, "shape": list(r.shape), "dtype": r.dtype, "nbytes": r.nbytes,
              "encoding": r.encoding, "base": r.base, "stored": stored(r), "update_ratio": r.update_ratio,
-             "checksum": r.checksum, "keep_bits": r.keep_bits, "bound": r.bound,
+             "checksum": r.checksum, "keep_bits": r.rounded_bits,
+             "bound": None if r.rounded_bits is None else r.bound,
              "exact_checksum": r.exact_checksum, "low_stored": r.low_stored, **r.stats} for r in records]
     columns = ["name", "shape", "dtype", "encoding", "nbytes", "stored", "norm"]
     table = [[r.name, "x".join(map(str, r.shape)) or "()", r.dtype, encoding(r), size(r.nbytes),
               size(stored(r)), r.stats.get("norm")] for r in records]
     emit(args, columns, table, data, left=("name", "dtype", "encoding"), gives_way=("dtype", "encoding", "nbytes"))
-    bounds = sorted({(r.keep_bits, r.bound) for r in records if r.keep_bits is not None}, reverse=True)
-    if bounds and not args.json:  # one Trajectory rounds a step: one keep_bits
-        print("* rounded to " + ", ".join(f"{bits} mantissa bits (relative error at most {bound:.3g})"
-                                          for bits, bound in bounds))
+    if not args.json:
+        note = rounding_note(records)
+        if note:
+            print(f"* {note}")
     return 0
+
+
+def rounding_note(records) -> str | None:
+    """``rounded to 8 mantissa bits (relative error at most 0.00195)`` for the tensors of
+    ``records`` that read rounded (one Trajectory rounds a step: one keep_bits); None if none."""
+    bounds = sorted({(r.keep_bits, r.bound) for r in records if r.rounded_bits is not None}, reverse=True)
+    if not bounds:
+        return None
+    return "rounded to " + ", ".join(f"{bits} mantissa bits (relative error at most {bound:.3g})"
+                                     for bits, bound in bounds)
 
 
 def stored(rec) -> int:
@@ -67,4 +79,4 @@ def stored(rec) -> int:
 def encoding(rec) -> str:
     """How a tensor is stored, its base step beside a delta's: ``delta<-12``."""
     how = f"delta<-{rec.base}" if rec.encoding == "delta" else rec.encoding
-    return how if rec.keep_bits is None else f"{how}*"
+    return how if rec.rounded_bits is None else f"{how}*"
