@@ -24,7 +24,7 @@ from .torch_providers import RNG, context_for, rng_prefix
 
 
 # restore()'s keyword options, which its **extra cannot take
-RESTORE_OPTIONS = ("strict", "rng")
+RESTORE_OPTIONS = {"strict": "", "rng": " (whether to restore RNG states; write() always captures them)"}
 
 
 class Collector:
@@ -49,8 +49,8 @@ class Collector:
             objects["optim"] = optimizer
         for key, value in extra.items():
             if key in RESTORE_OPTIONS:  # restore(**extra) could never be given it back
-                raise ValueError(f"an extra cannot be named {key!r}: restore() takes {key}= as its own option; "
-                                 "rename it")
+                raise ValueError(f"an extra cannot be named {key!r}: restore() takes {key}= as its own option"
+                                 f"{RESTORE_OPTIONS[key]}; rename it")
             check_name(f"extra/{key}", "extra")
             objects[f"extra/{key}"] = value
         tensors: list[TensorItem] = []

@@ -46,7 +46,7 @@ def write_run(run_dir: str, backend: str) -> torch.nn.Module:
             ckpt.wait_snapshot()
             with torch.no_grad():
                 model.weight.add_(1)
-            ckpt.write(step, model, rng=False)
+            ckpt.write(step, model)
     return model
 
 

@@ -35,7 +35,7 @@ def test_a_tensor_of_more_than_half_the_budget_decodes_each_value_of_its_chain_o
     with dh.Checkpointer(run_dir, backend=backend) as ckpt:
         for step in range(16):
             model.big += 1e-3 * torch.randn_like(model.big)
-            ckpt.write(step, model, rng=False)
+            ckpt.write(step, model)
     with dh.open(run_dir) as h:
         assert [r.encoding for r in h.step_data(15).records.values() if r.name == "model/big"] == ["delta"]
         decodes[0] = 0
@@ -60,7 +60,7 @@ def test_a_restore_of_more_than_the_budget_decodes_each_value_once(run_dir, back
             model(torch.randn(4, 256)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-            ckpt.write(step, model, opt, rng=False)
+            ckpt.write(step, model, opt)
     fresh = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(6)])
     decodes[0] = 0
     with dh.Checkpointer(run_dir) as ckpt:
@@ -78,7 +78,7 @@ def test_a_crafted_second_base_reads_right_and_blames_no_intact_step(run_dir, de
     model.register_buffer("zeros", torch.zeros(256))
     with dh.Checkpointer(run_dir, backend="hdf5", key_every=10_000) as ckpt:
         for step in range(40):
-            ckpt.write(step, model, rng=False)
+            ckpt.write(step, model)
 
     for step in range(5, 40):
         def edit(doc, step=step):

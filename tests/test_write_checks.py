@@ -129,7 +129,8 @@ NAME_CASES = [
     ("restore()'s strict", {"strict": 1},
      "an extra cannot be named 'strict': restore() takes strict= as its own option; rename it"),
     ("restore()'s rng", {"rng": {"seed": 1}},
-     "an extra cannot be named 'rng': restore() takes rng= as its own option; rename it"),
+     "an extra cannot be named 'rng': restore() takes rng= as its own option (whether to restore RNG states; "
+     "write() always captures them); rename it"),
 ]
 
 
