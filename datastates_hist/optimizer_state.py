@@ -6,7 +6,7 @@ Registered by :mod:`.torch_providers` for every :class:`torch.optim.Optimizer`.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import quote
 
 import torch
@@ -65,16 +65,17 @@ class OptimizerProvider(StateProvider):
                 entry = opt.state.get(p, {})
                 # keys all strings: the tensors are items of their own, the rest a dict by key;
                 # else the whole state as key-value pairs (tensors as placeholders), keys kept exact
-                plain = all(isinstance(key, str) and key not in values.TAGS for key in entry)
+                plain = all(isinstance(key, str) for key in entry) and _TAGS.isdisjoint(entry)
                 pairs = []
                 for key, v in entry.items():
-                    where = f"{kind} state {key!r} of parameter {pname!r}"
+                    # said only in an error (write() runs every step: no text made for nothing)
+                    where = lambda key=key, pname=pname: f"{kind} state {key!r} of parameter {pname!r}"  # noqa: E731
                     if isinstance(key, str):
                         _check_state_name(pname, key, known)
                     else:
-                        _check_state_key(key, where)
+                        _check_state_key(key, where())
                     if isinstance(v, torch.Tensor):
-                        name, t = _state_name(pname, key), v.detach()
+                        name, t = f"state/{pname}/{key}" if type(key) is str else _state_name(pname, key), v.detach()
                         _claim(name, tensors, t, where)
                         predictor = _adam_predictor(opt, group, pname, key, entry) if isinstance(key, str) else None
                         yield TensorItem(name, t, predictor=predictor)
@@ -82,7 +83,7 @@ class OptimizerProvider(StateProvider):
                             pairs.append((key, {"__tensor__": name}))
                     else:
                         mine = {}
-                        data = _flattened(v, _state_name(pname, key), mine, where)
+                        data = _flattened(v, _state_name(pname, key), mine, where())
                         for name, t in mine.items():
                             _claim(name, tensors, t, where)
                             yield TensorItem(name, t)
@@ -211,6 +212,8 @@ _PARAM_SHAPED = tuple(getattr(torch.optim, name) for name in (
     "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop",
     "SparseAdam") if hasattr(torch.optim, name))
 
+_TAGS = frozenset(values.TAGS)
+
 # the tags of the placeholders that name a tensor item (values.py)
 _PLACEHOLDERS = ("__tensor__", "__ndarray__")
 
@@ -231,10 +234,11 @@ def _check_state_key(key: Any, where: str) -> None:
             "stored; a key may be a string, int, float, bool, None or a tuple of them") from None
 
 
-def _claim(name: str, tensors: dict, t: torch.Tensor, where: str) -> None:
-    """Add tensor item ``name`` to ``tensors``, refusing a name taken by another state."""
+def _claim(name: str, tensors: dict, t: torch.Tensor, where: Callable[[], str]) -> None:
+    """Add tensor item ``name`` to ``tensors``, refusing a name taken by another state
+    (``where()`` says which)."""
     if name in tensors:
-        raise values.NameClashError(f"{where}: its tensor would be stored as {name}, which another state of the "
+        raise values.NameClashError(f"{where()}: its tensor would be stored as {name}, which another state of the "
                                     "optimizer is stored as (keys that differ only in type, such as 1 and '1', "
                                     "or a key holding '/'); rename one")
     tensors[name] = t
@@ -248,7 +252,7 @@ def _flattened(value: Any, base: str, tensors: dict, where: str) -> Any:
     if not found:
         return data
     for rel, t in found.items():
-        _claim(f"{base}/{rel}" if rel else base, tensors, t, where)
+        _claim(f"{base}/{rel}" if rel else base, tensors, t, lambda: where)
     return _renamed(data, base)
 
 
