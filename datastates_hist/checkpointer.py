@@ -205,9 +205,9 @@ class Checkpointer:
         ``report_pending``: an error is still to be reported by close() or at exit."""
         if self.index is not None:
             self.index.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._lock_fd is not None:  # forgotten first: an interrupt after it cannot close it twice
+            fd, self._lock_fd = self._lock_fd, None
+            os.close(fd)
         if not report_pending:
             lifetime.release(self)
 
@@ -216,8 +216,8 @@ class Checkpointer:
         parent's close() must give the run back while the child lives); nothing to wait
         for there (the threads that would end the waits are the parent's)."""
         if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+            fd, self._lock_fd = self._lock_fd, None
+            os.close(fd)
         self._pipeline.inherited()
 
     # --- writing ------------------------------------------------------------------------
@@ -506,10 +506,6 @@ class Checkpointer:
         self.wait()
         model = model if model is not None else self.model
         optimizer = optimizer if optimizer is not None else self.optimizer
-        if optimizer is not None and model is None:
-            raise TypeError("restore() of an optimizer needs the model: the optimizer's state is matched to its "
-                            "parameters by their names in the model (pass model=..., or bind it: "
-                            "Checkpointer(path, model=...))")
         return restore_step(self.path, step, model, optimizer, strict=strict, rng=rng, extra=extra,
                             rank=self.group.rank, world_size=self.group.size)
 

@@ -21,7 +21,7 @@ import weakref
 from dataclasses import dataclass
 
 from .errors import CorruptionError, FormatError, StoreNotFoundError
-from .items import TensorRecord, is_distribution
+from .items import TensorRecord, check_statistics, is_distribution
 from .layout import (INDEX_FILE, PARTIAL, RANKS_SUFFIX, entry_path, file_not_run, finished_units, index_path,
                      step_stem, steps_dir)
 
@@ -391,31 +391,33 @@ class Index:
 
     def tensor_stats(self, name: str) -> list[tuple]:
         """``(step, time, norm, min, max, mean, std, nonfinite, update_ratio)`` of tensor ``name``
-        at every step, each row checked as :meth:`records` and :meth:`step_row` check theirs
+        at every step, each row's statistics checked as :meth:`records` and :meth:`step_row` check theirs
         (a statistic that is text, a time that is none: :class:`CorruptionError`)."""
         ratio = "t.update_ratio" if "update_ratio" in self._tensor_columns else "NULL"
         rows = self._read(
-            f"SELECT s.*, t.norm, t.min, t.max, t.mean, t.std, t.nonfinite, {ratio}, t.dtype, t.shape, t.nbytes"
+            f"SELECT s.*, t.norm, t.min, t.max, t.mean, t.std, t.nonfinite, {ratio}"
             " FROM tensors t JOIN steps s ON s.step = t.step WHERE t.name=? ORDER BY t.step",
             (name,),
         )
         width = len(StepRow.__dataclass_fields__)
         found = []
         for values in rows:
-            row = self._step_row(values[:width])
-            *stats, update_ratio, dtype, shape, nbytes = values[width:]
-            try:
-                TensorRecord.from_json({
-                    "name": name, "dtype": dtype, "shape": json.loads(shape), "nbytes": nbytes,
-                    "stats": {k: v for k, v in zip(STAT_KEYS, stats) if v is not None},
-                    "update_ratio": update_ratio},
-                    indexed=True)
-            except (ValueError, TypeError) as exc:  # the checks of records(): a damaged or crafted row
-                raise CorruptionError(
-                    f"the index {self.path} is damaged: step {row.step}: {exc} (rebuild it from the step data "
-                    f"with: datastates-hist repair {self.run_dir})"
-                ) from None
-            found.append((row.step, row.time, *stats, update_ratio))
+            step, time, *_ = values
+            *stats, nonfinite, update_ratio = values[width:]
+            # what a commit writes passes at once (a trace reads thousands of rows); else the full checks
+            if not (type(step) is int and type(time) is float and 0 <= time < MAX_TIME):
+                self._step_row(values[:width])
+            if not (all(type(v) is float or v is None for v in stats) and (nonfinite is None or type(nonfinite) is int and nonfinite >= 0)
+                    and (type(update_ratio) is float or update_ratio is None)):
+                try:
+                    check_statistics(name, {k: v for k, v in zip(STAT_KEYS, (*stats, nonfinite)) if v is not None},
+                                     update_ratio)
+                except ValueError as exc:  # the check of records(): a damaged or crafted row
+                    raise CorruptionError(
+                        f"the index {self.path} is damaged: step {step}: {exc} (rebuild it from the step data "
+                        f"with: datastates-hist repair {self.run_dir})"
+                    ) from None
+            found.append(values[:2] + values[width:])
         return found
 
     def distributions(self, name: str) -> list[tuple[int, dict]]:

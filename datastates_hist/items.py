@@ -282,13 +282,7 @@ class TensorRecord:
             self._check_blocks()
         if self.distribution is not None and not is_distribution(self.distribution):
             raise ValueError(f"tensor {name!r} has a malformed distribution: {str(self.distribution)[:200]}")
-        # the index stores these in REAL columns (nonfinite: INTEGER): anything else is damage
-        if not all(isinstance(k, str) and _is_stat(k, v) for k, v in self.stats.items()):
-            raise ValueError(f"tensor {name!r} has malformed statistics: {str(self.stats)[:200]} (each is a "
-                             "number or null; nonfinite a count)")
-        if not (self.update_ratio is None or _is_real(self.update_ratio)):
-            raise ValueError(f"tensor {name!r} has the update ratio {str(self.update_ratio)[:80]}, which is "
-                             "not a number or null")
+        check_statistics(name, self.stats, self.update_ratio)
 
     def _check_lossy(self, itemsize: int, indexed: bool) -> None:
         """A lossy tensor: kept bits its dtype has, the bound they give, an encoded main
@@ -404,6 +398,17 @@ def _tuple(value):
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_statistics(name: str, stats: dict, update_ratio) -> None:
+    """Raise ValueError naming tensor ``name`` unless its statistics are what the index
+    stores in REAL columns (nonfinite: INTEGER): anything else is damage."""
+    if not all(isinstance(k, str) and _is_stat(k, v) for k, v in stats.items()):
+        raise ValueError(f"tensor {name!r} has malformed statistics: {str(stats)[:200]} (each is a "
+                         "number or null; nonfinite a count)")
+    if not (update_ratio is None or _is_real(update_ratio)):
+        raise ValueError(f"tensor {name!r} has the update ratio {str(update_ratio)[:80]}, which is "
+                         "not a number or null")
 
 
 def _is_real(value) -> bool:

@@ -160,6 +160,24 @@ def compare(expected: Iterable[Item], state: StoredState) -> Problems:
     return problems
 
 
+def _compare_array(array: np.ndarray, state: StoredState) -> Problems:
+    """:func:`compare` for a numpy array loaded in place (not copied to be compared): the
+    stored tensor of its shape (a 0-d one: ``[]``, or ``[1]`` as written before format 6)
+    and of its dtype in native order."""
+    problems, rec = Problems(), state.records.get("")
+    try:
+        dtype = _dtype_str(torch.from_numpy(np.empty(0, array.dtype.newbyteorder("="))))
+    except TypeError:  # a dtype no tensor has (so none stored)
+        dtype = str(array.dtype)
+    shapes = (array.shape, (1,)) if array.ndim == 0 else (array.shape,)
+    if rec is None:
+        problems.missing.append("")
+    elif rec.shape not in shapes or rec.dtype != dtype:
+        problems.mismatched.append(("", f"{dtype}{list(array.shape)}", f"{rec.dtype}{list(rec.shape)}"))
+    problems.unexpected += [n for n in state.records if n != ""]
+    return problems
+
+
 def _dtype_str(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
@@ -238,7 +256,8 @@ class TreeProvider(StateProvider):
                 obj.copy_(torch.as_tensor(restored))
             return obj
         if isinstance(obj, np.ndarray) and isinstance(restored, (torch.Tensor, np.ndarray)) and obj.flags.writeable:
-            np.copyto(obj, restored.numpy() if isinstance(restored, torch.Tensor) else restored)
+            restored = restored.numpy() if isinstance(restored, torch.Tensor) else restored
+            np.copyto(obj, restored.reshape(obj.shape))  # a 0-d array written before format 6 has shape [1]
             return obj
         return restored
 
@@ -246,8 +265,10 @@ class TreeProvider(StateProvider):
         problems = Problems()
         if "" not in state.values:
             problems.missing.append("")
-        if isinstance(obj, (torch.Tensor, np.ndarray)):  # loaded in place: of the stored shape and dtype
+        if isinstance(obj, torch.Tensor):  # loaded in place: of the stored shape and dtype
             problems = compare(self.items(obj, ctx), state)
+        elif isinstance(obj, np.ndarray):
+            problems = _compare_array(obj, state)
         return problems
 
 

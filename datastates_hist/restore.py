@@ -71,7 +71,9 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
             if rng and own_rng in objects:
                 targets[own_rng] = RNG()
             for key, obj in extra.items():
-                targets[f"extra/{key}"] = obj
+                if obj is not None:  # None: nothing to load into (rebuilt, as an extra not passed)
+                    targets[f"extra/{key}"] = obj
+            _check_model_given(items, model, optimizer)
 
             def state_of(prefix: str) -> StoredState:
                 records = {_rel(n, prefix): r for n, r in data.records.items() if under(n, prefix)}
@@ -122,6 +124,19 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
             return restored
     finally:
         store.close()
+
+
+def _check_model_given(items: dict, model: Any, optimizer: Any) -> None:
+    """An optimizer whose state the step keys by parameter names in the model cannot be
+    restored without the model (only one whose parameters had no names, ``@<k>``, can)."""
+    groups = items.get("optim/param_groups")
+    if optimizer is None or model is not None or not isinstance(groups, dict):
+        return
+    named = [n for g in groups.get("groups") or [] if isinstance(g, dict) for n in g.get("params") or []]
+    if any(not str(n).startswith("@") for n in named):
+        raise TypeError("restore() of an optimizer needs the model: the optimizer's state is matched to its "
+                        "parameters by their names in the model (pass model=..., or bind it: "
+                        "Checkpointer(path, model=...))")
 
 
 def _rounded(data, loading: dict, run_dir: str) -> dict[str, int]:

@@ -879,3 +879,19 @@ def test_large_tensors_are_written_from_their_own_memory_bit_exact(tmp_path, bac
         assert encodings["model/w"] == ("raw" if codec == "raw" else "delta")
     code, out, err = cli(capsys, "verify", run)
     assert (code, err) == (0, "")
+
+
+def test_entries_named_as_restores_options_are_kept_as_source_entries(tmp_path, capsys):
+    """A checkpoint's own "rng" state (or "strict") cannot be an extra of that name:
+    restore() takes rng= and strict= itself. It is kept as source_rng."""
+    from datastates_hist.cli import main
+
+    source = tmp_path / "ckpt_100.pt"
+    rng = torch.get_rng_state()
+    torch.save({"model": {"w": torch.ones(2)}, "rng": rng, "strict": True, "epoch": 3}, source)
+    run = str(tmp_path / "run")
+    assert main(["import", run, str(source)]) == 0, capsys.readouterr().err
+    with dh.open(run) as h:
+        assert h.steps == [100]
+        assert_bit_equal(h.read("extra/source_rng", 100), rng)
+        assert h.scalar("source_strict").tolist() == [1] and h.scalar("epoch").tolist() == [3]

@@ -302,3 +302,38 @@ def test_a_numpy_array_is_restored_in_place_like_a_tensor(run_dir, backend):
             ckpt.restore(0, model, arr=other)
         assert str(caught.value).splitlines()[1] == "  extra/arr: expected float64[5], found float64[3]"
         assert not other.any()
+
+
+def test_a_0d_array_written_before_format_6_restores_into_a_0d_array(run_dir):
+    """Format 5 stored np.array(0.5) as a tensor of shape [1]; a 0-d array takes it."""
+    import numpy as np
+
+    model = nn.Linear(2, 2)
+    with dh.Checkpointer(run_dir) as ckpt:
+        ckpt.write(0, model, ema=np.array([0.5]))  # what format 5 wrote for np.array(0.5)
+        ema = np.zeros(())
+        assert ckpt.restore(0, model, ema=ema).extra["ema"] is ema and ema.shape == () and float(ema) == 0.5
+        with pytest.raises(dh.RestoreMismatchError) as caught:
+            ckpt.restore(0, model, ema=np.zeros((), dtype=np.float32))
+        assert str(caught.value).splitlines()[1] == "  extra/ema: expected float32[], found float64[1]"
+
+
+def test_an_extra_passed_as_none_is_rebuilt(run_dir):
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dh.Checkpointer(run_dir) as ckpt:
+        ckpt.write(0, model, opt, sched=torch.optim.lr_scheduler.StepLR(opt, 2))
+        assert ckpt.restore(0, model, opt, sched=None).extra["sched"]["step_size"] == 2
+
+
+def test_an_optimizer_of_unnamed_parameters_restores_without_a_model(run_dir):
+    """A model that is a plain dict names no parameters: the optimizer's state is by position."""
+    weights = {"w": torch.nn.Parameter(torch.ones(3))}
+    opt = torch.optim.Adam(weights.values())
+    weights["w"].grad = torch.ones(3)
+    opt.step()
+    with dh.Checkpointer(run_dir) as ckpt:
+        ckpt.write(0, weights, opt)
+        fresh = torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))])
+        ckpt.restore(0, optimizer=fresh)
+    assert same_state(fresh.state_dict(), opt.state_dict())

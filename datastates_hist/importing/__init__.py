@@ -37,6 +37,7 @@ import torch
 from .. import values
 from ..items import TensorItem, ValueItem
 from ..providers import StateProvider, register_provider
+from ..collect import RESTORE_OPTIONS
 from ..optimizer_state import OptimizerProvider
 from ..torch_providers import ModuleProvider
 from .reading import is_inside
@@ -226,13 +227,15 @@ def _check_run_is_no_source(run: str, sources: list[Source]) -> None:
                              f"{source.path}, which the import would write into; import into a new run")
 
 
-# the parameters of Checkpointer.write besides its extras
-WRITE_PARAMETERS = ("step", "model", "optimizer")
+# the parameters of Checkpointer.write besides its extras, and restore()'s options, which
+# no extra may be named
+WRITE_PARAMETERS = ("step", "model", "optimizer", *RESTORE_OPTIONS)
 
 
 def extras(entries: dict[str, Any], source: Source) -> dict[str, Any]:
     """A source's other entries as ``write()``'s extras: one named as a parameter of
-    ``write`` (a checkpoint's own ``step``) is stored as ``source_<name>``."""
+    ``write`` (a checkpoint's own ``step``) or an option of ``restore()`` (its ``rng``
+    state) is stored as ``source_<name>``."""
     out = {f"source_{k}" if k in WRITE_PARAMETERS else k: v for k, v in entries.items()}
     if len(out) < len(entries):
         clash = next(k for k in WRITE_PARAMETERS if k in entries and f"source_{k}" in entries)
