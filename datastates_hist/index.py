@@ -407,8 +407,7 @@ class Index:
             # what a commit writes passes at once (a trace reads thousands of rows); else the full checks
             if not (type(step) is int and type(time) is float and 0 <= time < MAX_TIME):
                 self._step_row(values[:width])
-            if not (all(type(v) is float or v is None for v in stats) and (nonfinite is None or type(nonfinite) is int and nonfinite >= 0)
-                    and (type(update_ratio) is float or update_ratio is None)):
+            if not _as_committed(stats, nonfinite, update_ratio):
                 try:
                     check_statistics(name, {k: v for k, v in zip(STAT_KEYS, (*stats, nonfinite)) if v is not None},
                                      update_ratio)
@@ -503,6 +502,14 @@ class Index:
         if self.conn is not None and not self.inherited:
             self.conn.close()
         _OPEN.discard(self)
+
+
+def _as_committed(stats: list, nonfinite, update_ratio) -> bool:
+    """Whether a row's statistics have the types a commit writes (floats or null, a count
+    or null): a quick pass for sound rows; :func:`.items.check_statistics` names the rest."""
+    return (all(type(v) is float or v is None for v in stats)
+            and (nonfinite is None or type(nonfinite) is int and nonfinite >= 0)
+            and (update_ratio is None or type(update_ratio) is float))
 
 
 _OPEN: "weakref.WeakSet[Index]" = weakref.WeakSet()
