@@ -333,4 +333,4 @@ def rebuild(state: StoredState, kind: str) -> Any:
         return values.decode(state.values[""]["state"], tensors)
     if kind == TreeProvider.kind:
         return values.decode(state.values[""], tensors)
-    return {**{n: values.decode(v) for n, v in state.values.items()}, **tensors}
+    return {**{n: values.decode(v, tensors) for n, v in state.values.items()}, **tensors}

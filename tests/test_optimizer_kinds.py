@@ -498,3 +498,31 @@ if __name__ == "__main__":
         sharded_restore(*args)
     else:
         raise SystemExit(f"unknown command {command}")
+
+
+def test_an_optimizer_extra_not_passed_to_restore_is_rebuilt_with_its_tensors(run_dir, backend):
+    """An LBFGS (lists of tensors in its state) and an Adam with a tensor lr written as
+    extras, restored without them: each comes back as its items, the tensors inside its
+    values read (not a placeholder the restore cannot resolve)."""
+    model, other = nn.Linear(2, 2), nn.Linear(3, 3)
+    lbfgs = torch.optim.LBFGS(other.parameters(), history_size=3)
+    adam = torch.optim.Adam(other.parameters(), lr=torch.tensor(0.01))
+
+    def closure():
+        lbfgs.zero_grad()
+        loss = other(torch.ones(1, 3)).pow(2).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        lbfgs.step(closure)
+    with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+        ckpt.write(0, model, lbfgs_opt=lbfgs, adam_opt=adam)
+        restored = ckpt.restore(0, model)
+    rebuilt = restored.extra["lbfgs_opt"]
+    entry = next(iter(lbfgs.state.values()))
+    state = next(v for k, v in rebuilt["state"].items())
+    assert len(state["old_dirs"]) == len(entry["old_dirs"]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(state["old_dirs"], entry["old_dirs"]))
+    lr = restored.extra["adam_opt"]["param_groups"]["groups"][0]["options"]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.item() == pytest.approx(0.01)
