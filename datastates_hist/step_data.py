@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import predictors
+from . import predictors, values
 from .backends import StepReader
 from .boxes import overlap
 from .cache import aligned
@@ -151,6 +151,7 @@ class StepData:
             if not (isinstance(self.values, dict) and isinstance(self.values.get("items"), dict)
                     and isinstance(self.values.get("objects"), dict)):
                 raise ValueError("its values are not {'items': {...}, 'objects': {...}}")
+            self.values["items"] = values.as_current(self.values["items"], int(doc.get("format_version", 1)))
             self.world_size = int(doc.get("world_size", 1))  # ranks that wrote the step
             if doc.get("step") != row.step:
                 raise ValueError(f"it is the manifest of step {doc.get('step')!r}")

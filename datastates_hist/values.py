@@ -222,6 +222,29 @@ def _float_number(value: np.floating) -> Any:
     return f"0x{bits:0{2 * value.itemsize}x}"
 
 
+# The format version that made each key a tag. A dict of that one key written by an
+# earlier version is a user's dict: the writer then stored it as it was.
+TAG_SINCE = {"__numpy__": 6}
+
+
+def as_current(data: Any, version: int) -> Any:
+    """Values written by format ``version`` in the encoding :func:`decode` reads now:
+    a one-key dict whose key became a tag after ``version`` in the ``__dict__`` form."""
+    later = frozenset(tag for tag, since in TAG_SINCE.items() if version < since)
+    return _escaped(data, later) if later else data
+
+
+def _escaped(data: Any, tags: frozenset) -> Any:
+    if isinstance(data, list):
+        return [_escaped(v, tags) for v in data]
+    if isinstance(data, dict):
+        if len(data) == 1 and next(iter(data)) in tags:
+            (key, inner), = data.items()
+            return {"__dict__": [[key, _escaped(inner, tags)]]}
+        return {k: _escaped(v, tags) for k, v in data.items()}
+    return data
+
+
 def decode(data: Any, tensors: dict | None = None) -> Any:
     """Rebuild a value from :func:`encode`'s output.
 

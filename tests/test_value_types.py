@@ -303,6 +303,31 @@ def test_values_written_before_version_6_decode_as_before():
     assert type(got["ema"]) is float and type(got["count"]) is int and type(got["ok"]) is bool
 
 
+def test_a_dict_keyed_numpy_written_before_version_6_is_a_dict(tmp_path, backend):
+    """Version 5 stored a user's ``{"__numpy__": ...}`` dict as it was (not yet a tag): it
+    reads back as that dict, in a restore, a rebuilt extra and the scalars."""
+    from test_paths_and_sizes import rewrite_manifest
+
+    run = str(tmp_path / "run")
+    model = torch.nn.Linear(2, 2)
+    with dh.Checkpointer(run, backend=backend, codec="raw") as ckpt:
+        ckpt.write(0, model, data={"a": {"__numpy__": 3}, "b": [{"__numpy__": ["float32", 0.5]}]})
+
+    def as_version_5(doc):
+        assert doc["values"]["items"]["extra/data"] == {
+            "a": {"__dict__": [["__numpy__", 3]]}, "b": [{"__dict__": [["__numpy__", ["float32", 0.5]]]}]}
+        doc["format_version"] = 5
+        doc["values"]["items"]["extra/data"] = {"a": {"__numpy__": 3}, "b": [{"__numpy__": ["float32", 0.5]}]}
+    rewrite_manifest(run, 0, as_version_5)
+    want = {"a": {"__numpy__": 3}, "b": [{"__numpy__": [np.float32.__name__, 0.5]}]}
+    with dh.Checkpointer(run) as ckpt:
+        got = ckpt.restore(0, model).extra["data"]  # rebuilt: not passed
+        assert got == want and type(got["b"][0]["__numpy__"][1]) is float
+        assert ckpt.restore(0, model, data={}).extra["data"] == want
+    with dh.open(run) as h:
+        assert h.scalars() .columns.tolist() == ["extra/data/a/__numpy__", "extra/data/b/0/__numpy__/1"]
+
+
 @pytest.mark.parametrize("inner, says", [
     (["object", 1], f"a numpy scalar of dtype 'object', not one of the dtypes stored ({ALLOWED})"),
     (["float128", 1.0], f"a numpy scalar of dtype 'float128', not one of the dtypes stored ({ALLOWED})"),
