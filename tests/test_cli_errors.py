@@ -119,6 +119,15 @@ def test_prune_reports_bytes_it_deleted(run_dir):
      f"datastates-hist: diff: '{2**64}' is not a step (a whole number from 0 to 2**63-1, latest, "
      "or -N for the Nth newest)"),
     (["verify", "{run}", "7"], 3, "datastates-hist: step 7 is not committed in {run} (committed steps: 0..2 (3))"),
+    # int() takes these, a step is digits only
+    (["show", "{run}", "1_0"], 2, "datastates-hist show: error: argument step: '1_0' is not a step "
+     "(a whole number from 0 to 2**63-1, latest, or -N for the Nth newest)"),
+    (["show", "{run}", "-0"], 2, "datastates-hist show: error: argument step: '-0' is not a step "
+     "(a whole number from 0 to 2**63-1, latest, or -N for the Nth newest)"),
+    (["show", "{run}", "\u0661"], 2, "datastates-hist show: error: argument step: '\u0661' is not a step "
+     "(a whole number from 0 to 2**63-1, latest, or -N for the Nth newest)"),
+    (["diff", "{run}", "0", "1", "--top", " 2"], 2, "datastates-hist diff: error: argument --top: ' 2' is not a count "
+     "(a whole number from 1)"),
 ])
 def test_errors_are_one_line_with_their_exit_code(tmp_path, run_dir, args, code, message):
     committed_run(run_dir)

@@ -45,14 +45,16 @@ def add_command(sub, name: str, help: str, **kwargs):
     return sub.add_parser(name, help=help, **kwargs)
 
 
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
 def step_number(text: str) -> int:
     """A step given on the command line: a whole number the index can hold."""
     from ..layout import MAX_STEP
 
-    try:
-        step = int(text)
-    except ValueError:
-        step = -1
+    # digits only: int() would also take "1_0", "-0", " 5" and digits of other scripts
+    step = int(text) if _digits(text) else -1
     if not 0 <= step <= MAX_STEP:
         raise argparse.ArgumentTypeError(f"{text!r} is not a step (a whole number from 0 to 2**63-1)")
     return step
@@ -65,7 +67,7 @@ def step_choice(text: str) -> int:
     if text == "latest":
         return -1
     back = text.removeprefix("-")
-    if back != text and back.isascii() and back.isdigit() and int(back) > 0:
+    if back != text and _digits(back) and int(back) > 0:
         return -int(back)
     try:
         return step_number(text)
@@ -76,10 +78,7 @@ def step_choice(text: str) -> int:
 
 def count(text: str) -> int:
     """A count given on the command line: a whole number from 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
+    n = int(text) if _digits(text) else 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count (a whole number from 1)")
     return n
