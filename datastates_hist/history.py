@@ -62,8 +62,8 @@ class History:
                  **{k: r.stats.get(k, math.nan) for k in STAT_KEYS}, "encoding": r.encoding,
                  "stored": r.stored_bytes + (r.low_stored or 0),
                  "update_ratio": math.nan if r.update_ratio is None else r.update_ratio,
-                 "keep_bits": math.nan if r.rounded_bits is None else r.keep_bits,
-                 "bound": math.nan if r.rounded_bits is None else r.bound}
+                 "keep_bits": math.nan if r.rounded_bits is None else r.rounded_bits,
+                 "bound": math.nan if r.rounded_bound is None else r.rounded_bound}
                 for r in self.store.records(step)]
         return pd.DataFrame(rows, columns=columns)
 

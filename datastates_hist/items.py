@@ -205,6 +205,12 @@ class TensorRecord:
         whose restore unit keeps its low bits (docs/format.md, section 6)."""
         return None if self.keep_bits is None or self.has_low_bits else self.keep_bits
 
+    @property
+    def rounded_bound(self) -> float | None:
+        """The relative error bound of what a read gives: :attr:`bound` where the read is
+        rounded (:attr:`rounded_bits`), None where it is exact."""
+        return None if self.rounded_bits is None else self.bound
+
     def without_low_bits(self) -> "TensorRecord":
         """The record as a trajectory point holds it: a lossy tensor's low bits (and the
         checksum of its exact bytes) are gone with the restore unit."""

@@ -48,7 +48,7 @@ def run(args) -> int:
     data = [{"name": r.name, "shape": list(r.shape), "dtype": r.dtype, "nbytes": r.nbytes,
              "encoding": r.encoding, "base": r.base, "stored": stored(r), "update_ratio": r.update_ratio,
              "checksum": r.checksum, "keep_bits": r.rounded_bits,
-             "bound": None if r.rounded_bits is None else r.bound,
+             "bound": r.rounded_bound,
              "exact_checksum": r.exact_checksum, "low_stored": r.low_stored, **r.stats} for r in records]
     columns = ["name", "shape", "dtype", "encoding", "nbytes", "stored", "norm"]
     table = [[r.name, "x".join(map(str, r.shape)) or "()", r.dtype, encoding(r), size(r.nbytes),
@@ -64,7 +64,7 @@ def run(args) -> int:
 def rounding_note(records) -> str | None:
     """``rounded to 8 mantissa bits (relative error at most 0.00195)`` for the tensors of
     ``records`` that read rounded (one Trajectory rounds a step: one keep_bits); None if none."""
-    bounds = sorted({(r.keep_bits, r.bound) for r in records if r.rounded_bits is not None}, reverse=True)
+    bounds = sorted({(r.rounded_bits, r.rounded_bound) for r in records if r.rounded_bits is not None}, reverse=True)
     if not bounds:
         return None
     return "rounded to " + ", ".join(f"{bits} mantissa bits (relative error at most {bound:.3g})"
