@@ -6,7 +6,7 @@ Registered by :mod:`.torch_providers` for every :class:`torch.optim.Optimizer`.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import quote
 
 import torch
@@ -50,51 +50,13 @@ class OptimizerProvider(StateProvider):
         return {n: p for g, names in zip(opt.param_groups, self._names(opt, ctx)) for p, n in zip(g["params"], names)}
 
     def items(self, opt, ctx):
-        kind, all_names = type(opt).__qualname__, self._names(opt, ctx)
-        groups, tensors = [], {}  # tensors: item name -> tensor, of every value below
-        for i, (group, names) in enumerate(zip(opt.param_groups, all_names)):
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            groups.append({"params": names,
-                           "options": _flattened(hyper, f"param_groups/{i}", tensors, f"{kind} param group {i}")})
-        yield ValueItem("param_groups", {"type": kind, "groups": groups})
-        for name, t in tensors.items():
-            yield TensorItem(name, t, volatile=True)  # hyper-parameters: a scheduler sets them in place
-        rest, known = {}, {n for names in all_names for n in names}
-        for group, names in zip(opt.param_groups, all_names):
-            for p, pname in zip(group["params"], names):
-                entry = opt.state.get(p, {})
-                # keys all strings: the tensors are items of their own, the rest a dict by key;
-                # else the whole state as key-value pairs (tensors as placeholders), keys kept exact
-                plain = all(isinstance(key, str) for key in entry) and _TAGS.isdisjoint(entry)
-                pairs = []
-                for key, v in entry.items():
-                    # said only in an error (write() runs every step: no text made for nothing)
-                    where = lambda key=key, pname=pname: f"{kind} state {key!r} of parameter {pname!r}"  # noqa: E731
-                    if isinstance(key, str):
-                        _check_state_name(pname, key, known)
-                    else:
-                        _check_state_key(key, where())
-                    if isinstance(v, torch.Tensor):
-                        name, t = f"state/{pname}/{key}" if type(key) is str else _state_name(pname, key), v.detach()
-                        _claim(name, tensors, t, where)
-                        predictor = _adam_predictor(opt, group, pname, key, entry) if isinstance(key, str) else None
-                        yield TensorItem(name, t, predictor=predictor)
-                        if not plain:
-                            pairs.append((key, {"__tensor__": name}))
-                    else:
-                        mine = {}
-                        data = _flattened(v, _state_name(pname, key), mine, where())
-                        for name, t in mine.items():
-                            _claim(name, tensors, t, where)
-                            yield TensorItem(name, t)
-                        pairs.append((key, data))
-                if not pairs:
-                    continue
-                if plain:
-                    rest[pname] = dict(pairs)
-                else:
-                    rest[pname] = {"__dict__": [[values.encode(key, f"state/{pname}"), data] for key, data in pairs]}
-        yield ValueItem("state", rest)
+        all_names = self._names(opt, ctx)
+        groups = [({k: v for k, v in group.items() if k != "params"}, names)
+                  for group, names in zip(opt.param_groups, all_names)]
+        entries = ((hyper, pname, opt.state.get(p, {})) for group, (hyper, names) in zip(opt.param_groups, groups)
+                   for p, pname in zip(group["params"], names))
+        yield from optimizer_items(type(opt).__qualname__, groups, entries,
+                                   predict=lambda *state: _adam_predictor(opt, *state))
 
     def check(self, opt, state, ctx):
         problems = Problems()
@@ -204,6 +166,63 @@ class OptimizerProvider(StateProvider):
         for p, key, value in texts:  # load_state_dict makes a string in the state the text of a generator
             opt.state[p][key] = _cast(value, p)
         return opt
+
+
+def optimizer_items(kind: str, groups: list[tuple[dict, list[str]]], entries: Iterable[tuple[dict | None, str, dict]],
+                    *, immutable: bool = False, predict: Callable | None = None) -> Iterator[TensorItem | ValueItem]:
+    """The items of an optimizer of type ``kind`` in the layout of :class:`OptimizerProvider`,
+    for a live optimizer and for a state dict read from a file (:mod:`.importing`) alike.
+
+    ``groups``: each param group's hyper-parameters and its parameters' names; ``entries``:
+    each parameter's group's hyper-parameters, name and state, in the groups' order (the
+    state of a parameter that no group lists, its hyper-parameters None, is stored as well).
+    ``immutable``: the tensors are read from a file, so nothing changes them until they are
+    written (no hyper-parameter is volatile). ``predict(hyper, pname, key, entry)``: the
+    predictor of a state tensor of a string key, or None.
+    """
+    hypers, tensors = [], {}  # tensors: item name -> tensor, of every value below
+    for i, (hyper, names) in enumerate(groups):
+        hypers.append({"params": names,
+                       "options": _flattened(hyper, f"param_groups/{i}", tensors, f"{kind} param group {i}")})
+    yield ValueItem("param_groups", {"type": kind, "groups": hypers})
+    for name, t in tensors.items():
+        # hyper-parameters of a live optimizer: a scheduler sets them in place
+        yield TensorItem(name, t, volatile=not immutable, immutable=immutable)
+    rest, known = {}, {n for _, names in groups for n in names}
+    for hyper, pname, entry in entries:
+        # keys all strings: the tensors are items of their own, the rest a dict by key;
+        # else the whole state as key-value pairs (tensors as placeholders), keys kept exact
+        plain = all(isinstance(key, str) for key in entry) and _TAGS.isdisjoint(entry)
+        pairs = []
+        for key, v in entry.items():
+            # said only in an error (write() runs every step: no text made for nothing)
+            where = lambda key=key, pname=pname: f"{kind} state {key!r} of parameter {pname!r}"  # noqa: E731
+            if isinstance(key, str):
+                _check_state_name(pname, key, known)
+            else:
+                _check_state_key(key, where())
+            if isinstance(v, torch.Tensor):
+                name, t = f"state/{pname}/{key}" if type(key) is str else _state_name(pname, key), v.detach()
+                _claim(name, tensors, t, where)
+                use = predict is not None and hyper is not None and isinstance(key, str)
+                yield TensorItem(name, t, predictor=predict(hyper, pname, key, entry) if use else None,
+                                 immutable=immutable)
+                if not plain:
+                    pairs.append((key, {"__tensor__": name}))
+            else:
+                mine = {}
+                data = _flattened(v, _state_name(pname, key), mine, where())
+                for name, t in mine.items():
+                    _claim(name, tensors, t, where)
+                    yield TensorItem(name, t, immutable=immutable)
+                pairs.append((key, data))
+        if not pairs:
+            continue
+        if plain:
+            rest[pname] = dict(pairs)
+        else:
+            rest[pname] = {"__dict__": [[values.encode(key, f"state/{pname}"), data] for key, data in pairs]}
+    yield ValueItem("state", rest)
 
 
 # torch.optim's optimizers whose per-parameter state tensors are all of the parameter's

@@ -34,11 +34,10 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .. import values
-from ..items import TensorItem, ValueItem
+from ..items import TensorItem
 from ..providers import StateProvider, register_provider
 from ..collect import RESTORE_OPTIONS
-from ..optimizer_state import OptimizerProvider
+from ..optimizer_state import OptimizerProvider, optimizer_items
 from ..torch_providers import ModuleProvider
 from .reading import is_inside
 from .sources import Source, read_source
@@ -93,25 +92,36 @@ class OptimizerState:
 
 
 class OptimizerStateProvider(StateProvider):
-    """An optimizer state dict in the layout of :class:`.optimizer_state.OptimizerProvider`."""
+    """An optimizer state dict in the layout of :class:`.optimizer_state.OptimizerProvider`
+    (its items made by the same function): tensors in hyper-parameters and state values,
+    and state keys other than strings, stored as a live optimizer's are."""
 
     kind = OptimizerProvider.kind
 
     def items(self, opt, ctx):
         names = opt.parameter_names()
-        groups = [{"params": [names[str(p)] for p in g["params"]],
-                   "options": values.encode({k: v for k, v in g.items() if k != "params"}, "param_groups")}
+        groups = [({k: v for k, v in g.items() if k != "params"}, [names[str(p)] for p in g["params"]])
                   for g in opt.state_dict["param_groups"]]
-        yield ValueItem("param_groups", {"type": opt.type_name, "groups": groups})
-        scalars: dict[str, dict] = {}
+        hyper_of = {pname: hyper for hyper, pnames in groups for pname in pnames}
+        states = {}  # parameter name -> (its key in the state dict, its state)
         for key, entry in opt.state_dict["state"].items():
-            pname = names.get(str(key), f"@{key}")
-            for state_key, v in entry.items():
-                if isinstance(v, torch.Tensor):
-                    yield TensorItem(f"state/{pname}/{state_key}", v, immutable=True)
-                else:
-                    scalars.setdefault(pname, {})[state_key] = values.encode(v, f"state/{pname}/{state_key}")
-        yield ValueItem("state", scalars)
+            pname = names.get(str(key))
+            if pname is None:  # a parameter no group lists
+                pname = f"@{key}"
+                if pname in hyper_of:  # the name of a listed parameter, by its position
+                    raise ValueError(f"the optimizer state {key!r} is of a parameter that no param group lists, "
+                                     f"and would be stored as that of parameter {pname!r}, which one lists")
+            if pname in states:  # keys 0 and "0"
+                raise ValueError(f"the optimizer states {states[pname][0]!r} and {key!r} would both be stored as "
+                                 f"that of parameter {pname!r}")
+            states[pname] = key, entry
+        # in the groups' order, as a live optimizer's; then the states of parameters no group lists
+        order = [pname for _, pnames in groups for pname in pnames if pname in states]
+        order += [pname for pname in states if pname not in hyper_of]
+        # read from a file: nothing changes its tensors until they are written, nor sets a
+        # hyper-parameter in place; no predictors: a live optimizer's name the model's parameters
+        yield from optimizer_items(opt.type_name, groups, ((hyper_of.get(pname), pname, states[pname][1])
+                                                           for pname in order), immutable=True)
 
     def load(self, opt, stored, ctx):
         raise TypeError("an imported optimizer state is read through a History, not restored into")
