@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import blosc2
 import numpy as np
 
-from .digest import _fused
+from .digest import _fused, scale_for
 from .dtypes import torch_dtype
 
 # blosc2 holds the GIL in compress2 and decompress2 unless told otherwise: the flusher's
@@ -202,12 +203,19 @@ class _NormAccumulator:
 
     Each chunk is converted into preallocated float scratch (bfloat16 through its bit
     pattern, float16 by a cast), so the whole tensor is read once, in cache-sized steps.
+    Finite values whose squares overflow (float64 beyond about 1e150; float32 beyond about
+    1e19, which numpy squares in float32) show as an infinite sum: that chunk is summed
+    again in float64, scaled by a power of two (:func:`digest.scale_for`), and so are the
+    sums from then on.
     """
 
     def __init__(self, dtype: str):
         self.dtype = dtype
         self.diff_sq = 0.0
         self.base_sq = 0.0
+        # both sums are of the values times 2**-scale: 0 but where finite values' squares
+        # overflowed; the ratio of the two is the same
+        self.scale = 0
         self._value_type = np.float64 if dtype == "float64" else np.float32
         # float32 and float64 are read in place; 16-bit floats are widened into scratch.
         self._widened = dtype in ("bfloat16", "float16")
@@ -245,13 +253,57 @@ class _NormAccumulator:
         with np.errstate(all="ignore"):  # NaN or inf make the ratio None, not a warning
             np.subtract(x, b, out=diff)
             # Partial sums in the element type (BLAS), accumulated across chunks in float64.
-            self.diff_sq += float(np.dot(diff, diff))
-            self.base_sq += float(np.dot(b, b))
+            self.add_sums(float(np.dot(diff, diff)), float(np.dot(b, b)), x_raw, base_raw)
+
+    def add_sums(self, diff_sq: float, base_sq: float, x_raw: np.ndarray, base_raw: np.ndarray) -> None:
+        """Add a chunk's ``||x - base||**2`` and ``||base||**2`` of its values as they are
+        (the kernel's or numpy's); its bytes ``x_raw`` and ``base_raw`` are read again
+        only where a sum is infinite or NaN."""
+        if self.scale:
+            diff_sq, base_sq = math.ldexp(diff_sq, -2 * self.scale), math.ldexp(base_sq, -2 * self.scale)
+        diff_sq, base_sq = self.diff_sq + diff_sq, self.base_sq + base_sq
+        if diff_sq < math.inf and base_sq < math.inf:  # neither infinite nor NaN
+            self.diff_sq, self.base_sq = diff_sq, base_sq
+        else:
+            self._add_scaled(x_raw, base_raw)
+
+    def _add_scaled(self, x_raw: np.ndarray, base_raw: np.ndarray) -> None:
+        """:meth:`add_sums` of a chunk whose sums overflowed or whose values are not all
+        finite: the latter make the ratio None, as their sums always did."""
+        if not (math.isfinite(self.diff_sq) and math.isfinite(self.base_sq)):  # a non-finite value seen already
+            return
+        x, b = self._float64(x_raw), self._float64(base_raw)
+        with np.errstate(invalid="ignore"):
+            largest = max(float(np.abs(x).max()), float(np.abs(b).max()))
+        if not math.isfinite(largest):  # NaN propagates through max
+            self.diff_sq = self.base_sq = math.nan
+            return
+        k = max(self.scale, scale_for(largest))
+        if k != self.scale:  # exact: a power of two
+            self.diff_sq = math.ldexp(self.diff_sq, 2 * (self.scale - k))
+            self.base_sq = math.ldexp(self.base_sq, 2 * (self.scale - k))
+            self.scale = k
+        unit = math.ldexp(1.0, -k)
+        x *= unit
+        b *= unit
+        x -= b
+        self.diff_sq += float(np.square(x, out=x).sum())
+        self.base_sq += float(np.square(b, out=b).sum())
+
+    def _float64(self, raw: np.ndarray) -> np.ndarray:
+        """A chunk's values, from its bytes, as a new float64 array."""
+        if self._widened:
+            n = raw.size // 2
+            self._grow_scratch(n)
+            return self._widen(raw, np.empty(n, np.float32)).astype(np.float64)
+        return raw.view(self._value_type).astype(np.float64)
 
     def ratio(self) -> float | None:
         if self.base_sq == 0.0:
             return None
         ratio = (self.diff_sq / self.base_sq) ** 0.5
+        if ratio == math.inf and math.isfinite(self.diff_sq):  # the quotient overflowed, its root need not
+            ratio = math.sqrt(self.diff_sq) / math.sqrt(self.base_sq)
         # NaN or inf in the tensors make the ratio meaningless (and unstorable as JSON).
         return ratio if np.isfinite(ratio) else None
 
@@ -366,8 +418,7 @@ class Encoder:
                     diff_sq, base_sq = _fused.residual(chunk, b1, b2, residual, kept, self._residuals.itemsize,
                                                        self._fused_norms)
                     if self._fused_norms:
-                        self._norms.diff_sq += diff_sq
-                        self._norms.base_sq += base_sq
+                        self._norms.add_sums(diff_sq, base_sq, chunk, b1)
                     kept = None
                 else:
                     if self._norms is not None:

@@ -8,7 +8,10 @@ one read whole. The distribution of a floating-point tensor is counted with them
 its values by sign and binary exponent (:func:`distribution`), exact, and cheap
 enough to keep for every step. The C kernel ``_fused`` (float64 accumulators, one pass over
 memory that also makes the snapshot's copy) does a chunk when it is built;
-numpy otherwise.
+numpy otherwise. Finite float64 values beyond about 1e150, whose squares' sums
+overflow float64, are summed scaled by a power of two (:func:`scale_for`); only a chunk
+whose figures came out infinite or NaN is read again for that, so the common path pays
+one test per chunk.
 """
 
 from __future__ import annotations
@@ -29,6 +32,29 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 # Elements per statistics pass: small enough that the deviation pass runs in
 # cache, so a piece costs about one pass over memory (2x faster than 4M chunks).
 CHUNK = 1 << 16
+# Where squares overflow, values are scaled to at most 2**SCALE_TOP (scale_for): 2**120
+# squared deviations of such values, at most 2**(2*SCALE_TOP+2) each, sum below 2**1024.
+SCALE_TOP = 448
+
+
+def scale_for(largest: float) -> int:
+    """The power of two ``k`` that brings values of magnitude up to ``largest`` (finite)
+    to at most ``2**SCALE_TOP`` once multiplied by ``2**-k`` (0 for those there already).
+    Multiplying by a power of two is exact but for values that become subnormal, some
+    ``2**-1469`` times the largest or less: far too small to change a sum of squares."""
+    return max(0, math.frexp(largest)[1] - SCALE_TOP)
+
+
+def scaled_moments(x: np.ndarray, k: int) -> tuple[float, float]:
+    """``(sum, m2)`` of float values ``x`` times ``2**-k``, in float64, deviations taken
+    from the first value (as the C kernel does: a constant chunk gets exactly 0), then from
+    the mean. For chunks whose figures overflowed: it makes a copy and three passes."""
+    x = x.astype(np.float64) * math.ldexp(1.0, -k)
+    first = float(x[0])
+    x -= first
+    shifted = float(x.sum())
+    x -= shifted / x.size
+    return first * x.size + shifted, float(np.square(x, out=x).sum())
 
 
 def as_float(raw: np.ndarray, dtype: torch.dtype) -> np.ndarray:
@@ -58,7 +84,9 @@ def checksum_stream():
 
 def merge_moments(a: tuple[int, float, float], b: tuple[int, float, float]) -> tuple[int, float, float]:
     """``(count, mean, m2)`` of two parts together, from each part's count, mean and
-    sum of squared deviations from its mean ``m2`` (Chan's parallel formula)."""
+    sum of squared deviations from its mean ``m2`` (Chan's parallel formula). Both parts'
+    means and deviations must be of values scaled alike (:class:`Digest`, ``scale``); an
+    infinite or NaN ``m2`` from finite ones says that they overflowed."""
     n_a, mean_a, m2_a = a
     n_b, mean_b, m2_b = b
     total = n_a + n_b
@@ -119,6 +147,9 @@ class Digest:
         self.mean = 0.0
         self.m2 = 0.0
         self.sum = 0.0  # plain: the mean of a tensor holding infinities or NaN
+        # mean and m2 are of the values times 2**-scale: 0 but for values whose squares
+        # overflow float64 (scale_for), where it grows with the largest value
+        self.scale = 0
         self.min = math.inf
         self.max = -math.inf
         self.nonfinite = 0
@@ -148,7 +179,7 @@ class Digest:
             chunk = out[i:i + CHUNK]
             if fused:
                 self._merge(chunk.size, *_fused.copy_stats(flat[i:i + CHUNK], chunk, chunk.itemsize,
-                                                           self._counts(chunk.itemsize)))
+                                                           self._counts(chunk.itemsize)), chunk)
                 self.hasher.update(chunk.view(np.uint8))
             else:
                 np.copyto(chunk, flat[i:i + CHUNK])
@@ -170,7 +201,7 @@ class Digest:
         if n == 0:
             return
         if _fused is not None and x.dtype in _FLOATS and x.flags.c_contiguous:
-            self._merge(n, *_fused.copy_stats(x, None, x.itemsize, counts))
+            self._merge(n, *_fused.copy_stats(x, None, x.itemsize, counts), x)
             return
         if counts is not None:
             _count_exponents(x, counts)
@@ -189,16 +220,46 @@ class Digest:
             if bad == 0 and x.dtype != np.float64:  # finite values whose float32 sums overflowed
                 self._add(x.astype(np.float64), None)  # counted already
                 return
-        self._merge(n, total_sum, m2_c, lo, hi, bad)
+        self._merge(n, total_sum, m2_c, lo, hi, bad, x)
 
-    def _merge(self, n: int, total_sum: float, m2_c: float, lo: float, hi: float, bad: int) -> None:
+    def _merge(self, n: int, total_sum: float, m2_c: float, lo: float, hi: float, bad: int,
+               values: np.ndarray) -> None:
         """Add a chunk's figures: its size, sum, sum of squared deviations from its
-        mean, min, max and count of non-finite values."""
+        mean, min, max and count of non-finite values; ``values`` its float values, read
+        again only where finite values' figures overflowed."""
         self.nonfinite += bad
         self.sum += total_sum
-        self.n, self.mean, self.m2 = merge_moments((self.n, self.mean, self.m2), (n, total_sum / n, m2_c))
         self.min = min(self.min, lo) if not math.isnan(lo) else math.nan
         self.max = max(self.max, hi) if not math.isnan(hi) else math.nan
+        if self.scale:
+            self._merge_scaled(n, total_sum, m2_c, values)
+            return
+        moments = merge_moments((self.n, self.mean, self.m2), (n, total_sum / n, m2_c))
+        # an overflow (the chunk's sums or the merge's) shows as an infinite or NaN m2;
+        # with a non-finite value counted, stats() reads the plain sum instead
+        if not math.isfinite(moments[2]) and not self.nonfinite:
+            self._merge_scaled(n, total_sum, m2_c, values)
+            return
+        self.n, self.mean, self.m2 = moments
+
+    def _merge_scaled(self, n: int, total_sum: float, m2_c: float, values: np.ndarray) -> None:
+        """:meth:`_merge` for finite values whose squares overflow float64: the figures
+        scaled by ``2**-scale``, a power of two for the largest value so far
+        (:func:`scale_for`), and the chunk's own figures computed again from its values,
+        scaled, where they overflowed."""
+        if self.nonfinite:  # stats() reads the plain sum: only the count matters now
+            self.n += n
+            return
+        k = max(self.scale, scale_for(max(-self.min, self.max)))
+        if k != self.scale:  # exact: a power of two
+            self.mean = math.ldexp(self.mean, self.scale - k)
+            self.m2 = math.ldexp(self.m2, 2 * (self.scale - k))
+            self.scale = k
+        if math.isfinite(total_sum) and math.isfinite(m2_c):
+            total_sum, m2_c = math.ldexp(total_sum, -k), math.ldexp(m2_c, -2 * k)
+        else:
+            total_sum, m2_c = scaled_moments(values, k)
+        self.n, self.mean, self.m2 = merge_moments((self.n, self.mean, self.m2), (n, total_sum / n, m2_c))
 
     _buffers: dict = {}
 
@@ -224,10 +285,16 @@ class Digest:
         if self.nonfinite:  # merged means and deviations are NaN here: numpy's figures instead
             return {"norm": math.nan if math.isnan(self.min) else math.inf, "min": self.min, "max": self.max,
                     "mean": self.sum / self.n, "std": math.nan, "nonfinite": self.nonfinite}
-        sumsq = self.m2 + self.n * self.mean * self.mean
+        k, mean, m2 = self.scale, self.mean, self.m2
+        sumsq = m2 + self.n * mean * mean
+        if sumsq == math.inf:  # n * mean**2 overflowed (a mean beyond about 1e150): scaled as values are
+            extra = scale_for(max(-self.min, self.max)) - k
+            mean, m2, k = math.ldexp(mean, -extra), math.ldexp(m2, -2 * extra), k + extra
+            sumsq = m2 + self.n * mean * mean
+        unit = math.ldexp(1.0, k)  # a product, not ldexp: a norm beyond float64's largest is inf, not an error
         return {
-            "norm": math.sqrt(sumsq) if sumsq >= 0 else math.nan,
-            "min": self.min, "max": self.max, "mean": self.mean,
-            "std": math.sqrt(self.m2 / self.n) if self.m2 >= 0 else math.nan,
+            "norm": math.sqrt(sumsq) * unit if sumsq >= 0 else math.nan,
+            "min": self.min, "max": self.max, "mean": math.ldexp(self.mean, self.scale),
+            "std": math.sqrt(m2 / self.n) * unit if m2 >= 0 else math.nan,
             "nonfinite": self.nonfinite,
         }
