@@ -169,7 +169,8 @@ class OptimizerProvider(StateProvider):
 
 
 def optimizer_items(kind: str, groups: list[tuple[dict, list[str]]], entries: Iterable[tuple[dict | None, str, dict]],
-                    *, immutable: bool = False, predict: Callable | None = None) -> Iterator[TensorItem | ValueItem]:
+                    *, immutable: bool = False, predict: Callable | None = None,
+                    label: str | None = None) -> Iterator[TensorItem | ValueItem]:
     """The items of an optimizer of type ``kind`` in the layout of :class:`OptimizerProvider`,
     for a live optimizer and for a state dict read from a file (:mod:`.importing`) alike.
 
@@ -178,12 +179,14 @@ def optimizer_items(kind: str, groups: list[tuple[dict, list[str]]], entries: It
     state of a parameter that no group lists, its hyper-parameters None, is stored as well).
     ``immutable``: the tensors are read from a file, so nothing changes them until they are
     written (no hyper-parameter is volatile). ``predict(hyper, pname, key, entry)``: the
-    predictor of a state tensor of a string key, or None.
+    predictor of a state tensor of a string key, or None. ``label``: what errors call the
+    optimizer (``kind`` by default).
     """
+    named = label or kind
     hypers, tensors = [], {}  # tensors: item name -> tensor, of every value below
     for i, (hyper, names) in enumerate(groups):
         hypers.append({"params": names,
-                       "options": _flattened(hyper, f"param_groups/{i}", tensors, f"{kind} param group {i}")})
+                       "options": _flattened(hyper, f"param_groups/{i}", tensors, f"{named} param group {i}")})
     yield ValueItem("param_groups", {"type": kind, "groups": hypers})
     for name, t in tensors.items():
         # hyper-parameters of a live optimizer: a scheduler sets them in place
@@ -196,7 +199,7 @@ def optimizer_items(kind: str, groups: list[tuple[dict, list[str]]], entries: It
         pairs = []
         for key, v in entry.items():
             # said only in an error (write() runs every step: no text made for nothing)
-            where = lambda key=key, pname=pname: f"{kind} state {key!r} of parameter {pname!r}"  # noqa: E731
+            where = lambda key=key, pname=pname: f"{named} state {key!r} of parameter {pname!r}"  # noqa: E731
             if isinstance(key, str):
                 _check_state_name(pname, key, known)
             else:

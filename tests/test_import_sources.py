@@ -319,7 +319,7 @@ def test_sources_a_backend_cannot_store_leave_no_run(tmp_path, capsys):
                         "tensor 'model/w' has layout torch.sparse_coo; only dense tensors can be checkpointed"),
         "nested_3.pt": ({"model": {"w": w}, "optimizer": {"state": {0: {"buf": {"a": {1, 2}}}},
                                                          "param_groups": [{"params": [0], "lr": 0.1}]}},
-                        "cannot checkpoint 'optim': unknown state 'buf' of parameter '@0'/a: a value of type "
+                        "cannot checkpoint 'optim': optimizer state 'buf' of parameter '@0'/a: a value of type "
                         "builtins.set cannot be stored without pickle; convert it to numbers, strings, lists and "
                         "dicts, give it state_dict()/load_state_dict(), or register a StateProvider for its type"),
         "empty_4.pt": ({"model": {"w": w, "": w}}, "one of its model tensors has an empty name (''), which the "

@@ -121,7 +121,8 @@ class OptimizerStateProvider(StateProvider):
         # read from a file: nothing changes its tensors until they are written, nor sets a
         # hyper-parameter in place; no predictors: a live optimizer's name the model's parameters
         yield from optimizer_items(opt.type_name, groups, ((hyper_of.get(pname), pname, states[pname][1])
-                                                           for pname in order), immutable=True)
+                                                           for pname in order), immutable=True,
+                                   label="optimizer" if opt.type_name == DEFAULT_OPTIMIZER_TYPE else None)
 
     def load(self, opt, stored, ctx):
         raise TypeError("an imported optimizer state is read through a History, not restored into")
