@@ -77,6 +77,7 @@ from .layout import (DAMAGED_DIR, MAX_STEP, RANKS_SUFFIX, REBUILDING_DIR, file_n
                      index_path, main_of_restore_unit, rank_file, restore_unit, step_of_unit, steps_dir,
                      take_writer_lock)
 from .scalars import scalars_of
+from .values import as_current
 from .step_data import StepData
 from .store import DECODED_PER_TENSOR
 
@@ -442,7 +443,7 @@ def _scalars(doc: dict) -> dict[str, int | float]:
     values = doc.get("values")
     if not (isinstance(values, dict) and isinstance(values.get("items"), dict)):
         raise ValueError("its values are not {'items': {...}, 'objects': {...}}")
-    return scalars_of(values["items"])
+    return scalars_of(as_current(values["items"], int(doc.get("format_version", 1))))
 
 
 def _restore_checksum(doc: dict) -> str | None:

@@ -324,8 +324,14 @@ def test_a_dict_keyed_numpy_written_before_version_6_is_a_dict(tmp_path, backend
         got = ckpt.restore(0, model).extra["data"]  # rebuilt: not passed
         assert got == want and type(got["b"][0]["__numpy__"][1]) is float
         assert ckpt.restore(0, model, data={}).extra["data"] == want
+    names = ["extra/data/a/__numpy__", "extra/data/b/0/__numpy__/1"]
     with dh.open(run) as h:
-        assert h.scalars() .columns.tolist() == ["extra/data/a/__numpy__", "extra/data/b/0/__numpy__/1"]
+        assert h.scalar_names() == names
+    from datastates_hist.cli import main
+
+    assert main(["repair", run, "--force"]) == 0  # the index rebuilt from the manifests
+    with dh.open(run) as h:
+        assert h.scalar_names() == names
 
 
 @pytest.mark.parametrize("inner, says", [
