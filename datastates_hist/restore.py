@@ -119,6 +119,9 @@ def restore_step(run_dir: str, step: int | None, model: Any, optimizer: Any, *,
             for prefix, kind in objects.items():
                 key = prefix[6:]
                 if prefix.startswith("extra/") and key not in restored.extra:
+                    if data.row.tier == "trajectory" and prefix in data.restore_objects:
+                        problems.missing.append(prefix)  # its tensors went with the restore unit
+                        continue
                     with _named_as_damage(prefix, step, run_dir):
                         restored.extra[key] = rebuild(state_of(prefix), kind)
             return restored

@@ -4,6 +4,7 @@ a failed step, a tensor that changes shape, a new session, policies added to an 
 import os
 import sqlite3
 
+import numpy as np
 import pytest
 import torch
 
@@ -186,6 +187,30 @@ def test_a_restore_point_restores_bit_exact_and_a_trajectory_point_says_where_to
     assert partial.problems.missing == ["optim", "rng"] and not partial.rng
     for key, value in optim_state.items():
         assert torch.equal(fresh.opt.state_dict()["state"][0][key], value)
+
+
+@pytest.mark.parametrize("backend", ["adios2", "hdf5"])
+def test_extras_whose_tensors_went_with_the_restore_unit_are_listed_missing_not_rebuilt(tmp_path, backend):
+    """restore(strict=False) of a trajectory point: an extra not passed whose tensors were in
+    the restore unit (a tensor, an array, a module, an optimizer) is missing; the plain ones
+    come back. It failed as damage ("refers to tensor '', which was not loaded")."""
+    run = str(tmp_path / "run")
+    model, disc = torch.nn.Linear(2, 2), torch.nn.Linear(3, 1)
+    disc_opt = torch.optim.Adam(disc.parameters())
+    disc(torch.ones(1, 3)).sum().backward()
+    disc_opt.step()
+    with dh.Checkpointer(run, backend=backend, keep=dh.KeepLast(1), trajectory=dh.Trajectory("model/*")) as ckpt:
+        for step in range(3):
+            ckpt.write(step, model, t=torch.full((3,), float(step)), a=np.full(2, step, dtype=np.float32),
+                       disc=disc, disc_opt=disc_opt, data={"epoch": step})
+    with dh.Checkpointer(run) as ckpt:
+        restored = ckpt.restore(0, model=torch.nn.Linear(2, 2), strict=False)
+    assert sorted(restored.problems.missing) == ["extra/a", "extra/disc", "extra/disc_opt", "extra/t", "rng"]
+    assert restored.extra == {"data": {"epoch": 0}}
+    with dh.Checkpointer(run) as ckpt:  # a restore point: every extra rebuilt
+        restored = ckpt.restore(2, model=torch.nn.Linear(2, 2))
+    assert torch.equal(restored.extra["t"], torch.full((3,), 2.0)) and restored.extra["a"].tolist() == [2.0, 2.0]
+    assert torch.equal(restored.extra["disc"]["weight"], disc.weight.detach())
 
 
 class NewestOnly(Policy):
