@@ -14,7 +14,7 @@ from torch import nn
 
 from . import values
 from .items import TensorItem, ValueItem
-from .optimizer_state import OptimizerProvider
+from .optimizer_state import OptimizerProvider, _decoded, _flattened
 from .providers import Context, Problems, StateProvider, matching, register_provider
 from .sharding import is_dtensor
 
@@ -46,7 +46,15 @@ def context_for(model: Any) -> Context:
 
 
 class ModuleProvider(StateProvider):
-    """Parameters and persistent buffers by fully qualified name."""
+    """Parameters and persistent buffers by fully qualified name, and whatever else the
+    module's ``state_dict()`` holds: a submodule's extra state (``get_extra_state()``) is
+    a value, its tensors items ``<name>/<path>``.
+
+    Restore reads straight into the module's own parameters and buffers. An entry that
+    ``state_dict()`` makes (an extra state, a tensor a state-dict hook computes) goes back
+    through the module's ``load_state_dict()``, which hands it to ``set_extra_state()`` or
+    to the hooks that take it apart.
+    """
 
     kind = "ModuleProvider"
 
@@ -57,12 +65,22 @@ class ModuleProvider(StateProvider):
         }
 
     def items(self, module, ctx):
-        for name, t in self._tensors(module).items():
-            # Buffers (BatchNorm statistics) change during forward: copy them first.
-            yield TensorItem(name, t.detach(), volatile=not isinstance(t, nn.Parameter))
+        for name, v in unwrap(module).state_dict(keep_vars=True).items():
+            if isinstance(v, torch.Tensor):
+                # Buffers (BatchNorm statistics) change during forward: copy them first.
+                yield TensorItem(name, v.detach(), volatile=not isinstance(v, nn.Parameter))
+                continue
+            tensors: dict[str, torch.Tensor] = {}
+            yield ValueItem(name, _flattened(v, name, tensors, f"module state {name!r}"))
+            for tname, t in tensors.items():
+                yield TensorItem(tname, t, volatile=True)
 
     def check(self, module, state, ctx):
         problems = super().check(module, state, ctx)
+        live = {i.name for i in self.items(module, ctx) if isinstance(i, ValueItem)}
+        stored = _entry_values(state)
+        problems.missing += [n for n in live if n not in stored]
+        problems.unexpected += [n for n in stored if n not in live]
         # copy_ into a meta tensor does nothing: loading would silently leave the model empty
         problems.mismatched += [(n, "a tensor with data", "a meta tensor: materialize the model first "
                                  "(model.to_empty(device=...))")
@@ -77,18 +95,36 @@ class ModuleProvider(StateProvider):
         return {n: t for n, t in self._tensors(module).items() if not is_dtensor(t)}
 
     def load(self, module, state, ctx):
-        live = self._tensors(module)
+        live, inner = self._tensors(module), unwrap(module)
+        own = {id(t) for t in (*inner.parameters(), *inner.buffers())}
+        made = {}  # entries state_dict() makes: the module's load_state_dict() takes them back
         with torch.no_grad():
             for name in matching(live, state):
                 if live[name].is_meta:
                     continue
-                if is_dtensor(live[name]):  # read only this rank's shard
+                if id(live[name]) not in own:
+                    made[name] = state.tensor(name)
+                elif is_dtensor(live[name]):  # read only this rank's shard
                     live[name].to_local().copy_(state.tensor_like(name, live[name]).to_local())
                 else:
                     stored = state.tensor(name)
                     if stored.data_ptr() != live[name].data_ptr():  # not already read into it
                         live[name].copy_(stored)
+        made.update((name, _decoded(state, data)) for name, data in _entry_values(state).items())
+        if made:
+            left = inner.load_state_dict(made, strict=False).unexpected_keys
+            if left:
+                raise RuntimeError(f"the module's load_state_dict() does not take {', '.join(map(repr, left))}, "
+                                   "which its state_dict() gives (a state_dict hook without a load hook?): "
+                                   "not loaded")
         return module
+
+
+def _entry_values(state) -> dict:
+    """The stored values that are entries of a module's state dict; not ``""``, the
+    skeleton of a tree of tensors stored by name (read into a module, as the Lightning
+    integration writes one)."""
+    return {name: data for name, data in state.values.items() if name}
 
 
 class RNG:
