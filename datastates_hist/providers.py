@@ -144,6 +144,16 @@ class StateProvider(ABC):
         return {}
 
 
+# a tensor that copy_() cannot load into, as a mismatch names it: (expected, found)
+EXPANDED = ("a tensor to load into", "an expanded tensor whose elements share memory: clone() it first")
+
+
+def expanded(t: torch.Tensor) -> bool:
+    """Whether several elements of ``t`` are one in memory (a stride of 0, as ``expand``
+    makes): ``copy_`` into it fails."""
+    return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
+
+
 def compare(expected: Iterable[Item], state: StoredState) -> Problems:
     """Missing, unexpected and mismatched tensors between expected items and a stored state."""
     problems = Problems()
@@ -267,6 +277,7 @@ class TreeProvider(StateProvider):
             problems.missing.append("")
         if isinstance(obj, torch.Tensor):  # loaded in place: of the stored shape and dtype
             problems = compare(self.items(obj, ctx), state)
+            problems.mismatched += [("", *EXPANDED)] if expanded(obj) else []
         elif isinstance(obj, np.ndarray):
             problems = _compare_array(obj, state)
         return problems

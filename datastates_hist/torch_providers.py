@@ -15,7 +15,7 @@ from torch import nn
 from . import values
 from .items import TensorItem, ValueItem
 from .optimizer_state import OptimizerProvider, _decoded, _flattened
-from .providers import Context, Problems, StateProvider, matching, register_provider
+from .providers import EXPANDED, Context, Problems, StateProvider, expanded, matching, register_provider
 from .sharding import is_dtensor
 
 
@@ -85,6 +85,7 @@ class ModuleProvider(StateProvider):
         problems.mismatched += [(n, "a tensor with data", "a meta tensor: materialize the model first "
                                  "(model.to_empty(device=...))")
                                 for n, t in self._tensors(module).items() if t.is_meta]
+        problems.mismatched += [(n, *EXPANDED) for n, t in self._tensors(module).items() if expanded(t)]
         return problems
 
     def leaves_unloaded(self, problems):
@@ -100,7 +101,7 @@ class ModuleProvider(StateProvider):
         made = {}  # entries state_dict() makes: the module's load_state_dict() takes them back
         with torch.no_grad():
             for name in matching(live, state):
-                if live[name].is_meta:
+                if live[name].is_meta or expanded(live[name]):  # reported by check()
                     continue
                 if id(live[name]) not in own:
                     made[name] = state.tensor(name)

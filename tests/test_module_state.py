@@ -137,3 +137,25 @@ def test_what_a_state_dict_holds_that_cannot_be_stored_is_refused_at_write(tmp_p
         "cannot checkpoint 'model': module state '0._extra_state'/dtype: a value of type torch.dtype cannot be "
         "stored without pickle; convert it to numbers, strings, lists and dicts, give it "
         "state_dict()/load_state_dict(), or register a StateProvider for its type")
+
+
+def test_an_expanded_tensor_to_load_into_is_a_named_mismatch(tmp_path, backend):
+    """copy_() into a stride-0 tensor fails: restore failed inside torch, after loading
+    other tensors."""
+    def build(seed):
+        torch.manual_seed(seed)
+        model = nn.Linear(2, 2)
+        model.register_buffer("ex", torch.arange(4.0).reshape(4, 1).expand(4, 5))
+        return model
+    run = written(tmp_path, backend, build(0), xe=torch.arange(3.0).expand(2, 3))
+    model, before = build(1), build(1).weight.detach().clone()
+    found = "an expanded tensor whose elements share memory: clone() it first"
+    with dh.Checkpointer(run) as ckpt:
+        with pytest.raises(dh.RestoreMismatchError) as exc:
+            ckpt.restore(0, model=model, xe=torch.zeros(3).expand(2, 3))
+        assert exc.value.mismatched == [("model/ex", "a tensor to load into", found),
+                                        ("extra/xe", "a tensor to load into", found)]
+        assert torch.equal(model.weight, before)
+        partial = ckpt.restore(0, model=model, xe=torch.zeros(3).expand(2, 3), strict=False)
+    assert torch.equal(model.weight, build(0).weight) and partial.skipped == ["extra/xe"]
+    assert [name for name, *_ in partial.problems.mismatched] == ["model/ex", "extra/xe"]
