@@ -272,8 +272,8 @@ class _NormAccumulator:
         finite: the latter make the ratio None, as their sums always did."""
         if not (math.isfinite(self.diff_sq) and math.isfinite(self.base_sq)):  # a non-finite value seen already
             return
-        x, b = self._float64(x_raw), self._float64(base_raw)
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore"):  # a signalling NaN raises "invalid" when cast
+            x, b = self._float64(x_raw), self._float64(base_raw)
             largest = max(float(np.abs(x).max()), float(np.abs(b).max()))
         if not math.isfinite(largest):  # NaN propagates through max
             self.diff_sq = self.base_sq = math.nan

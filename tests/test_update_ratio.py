@@ -120,3 +120,20 @@ def test_cli_trace_plots_update_ratios(trained, tmp_path):
     pixels = image.imread(str(png))
     assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.shape[2] in (3, 4)
     assert pixels[..., :3].std() > 0.05  # lines, labels and a legend on the white background
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_a_signalling_nan_is_stored_without_a_warning_and_has_no_update_ratio(tmp_path):
+    """Casting a float32 signalling NaN to float64 raises numpy's "invalid" flag: the
+    update ratio's check of non-finite values warned from the flush thread, and a
+    warning turned into an error failed the step."""
+    run = str(tmp_path / "run")
+    model = torch.nn.Linear(1, 1)
+    model.register_buffer("b", torch.tensor([0x7F800001, 0x3F800000], dtype=torch.int32).view(torch.float32))
+    with dh.Checkpointer(run) as ckpt:  # codec="delta": an update ratio from step 1 on
+        for step in range(3):
+            ckpt.write(step, model)
+            ckpt.wait_snapshot()
+    with dh.open(run) as h:
+        assert torch.equal(h.read("model/b", 2).view(torch.int32), model.b.view(torch.int32))
+        assert math.isnan(h.tensors(2).set_index("name").loc["model/b", "update_ratio"])
