@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from . import values
 from .items import TensorItem, ValueItem
@@ -67,6 +68,9 @@ class ModuleProvider(StateProvider):
     def items(self, module, ctx):
         for name, v in unwrap(module).state_dict(keep_vars=True).items():
             if isinstance(v, torch.Tensor):
+                if is_lazy(v):
+                    raise ValueError(f"{name!r} of a lazy module (nn.LazyLinear, ...) has no shape yet: "
+                                     "run a forward pass first")
                 # Buffers (BatchNorm statistics) change during forward: copy them first.
                 yield TensorItem(name, v.detach(), volatile=not isinstance(v, nn.Parameter))
                 continue

@@ -159,3 +159,19 @@ def test_an_expanded_tensor_to_load_into_is_a_named_mismatch(tmp_path, backend):
         partial = ckpt.restore(0, model=model, xe=torch.zeros(3).expand(2, 3), strict=False)
     assert torch.equal(model.weight, build(0).weight) and partial.skipped == ["extra/xe"]
     assert [name for name, *_ in partial.problems.mismatched] == ["model/ex", "extra/xe"]
+
+
+def test_a_lazy_module_not_yet_run_is_refused_by_name(tmp_path):
+    model = nn.Sequential(nn.Linear(2, 2), nn.LazyLinear(3))
+    says = "'1.weight' of a lazy module (nn.LazyLinear, ...) has no shape yet: run a forward pass first"
+    run = str(tmp_path / "run")
+    with dh.Checkpointer(run) as ckpt:
+        with pytest.raises(ValueError) as exc:
+            ckpt.write(0, model)
+        assert str(exc.value) == says
+        model(torch.ones(1, 2))
+        ckpt.write(1, model)
+        with pytest.raises(ValueError) as exc:
+            ckpt.restore(1, model=nn.Sequential(nn.Linear(2, 2), nn.LazyLinear(3)))
+        assert str(exc.value) == says
+    assert dh.open(run).steps == [1]
