@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import values as values_codec
 from .dtypes import STORABLE, storage_dtype
@@ -172,9 +173,14 @@ def check_name(name: str, kind: str = "tensor") -> None:
 MAX_DIMS = 32
 
 
+# dtypes a conjugate view cannot have: the fast path needs no is_conj() call (complex tensors take the checks below)
+_NEVER_CONJ = STORABLE - {torch.complex64, torch.complex128}
+_Tensor = torch.Tensor  # looked up once, not at every call of the fast path
+
+
 def _check_tensor(name: str, t: torch.Tensor) -> None:
-    if t.layout is torch.strided and not (t.is_meta or t.is_nested) and t.dtype in STORABLE \
-            and t.dim() <= MAX_DIMS and t.numel():
+    if type(t) is _Tensor and t.layout is torch.strided and not (t.is_meta or t.is_nested) \
+            and t.dtype in _NEVER_CONJ and not t.is_neg() and t.dim() <= MAX_DIMS and t.numel():
         return  # the common case, in a fraction of the checks below (write() runs every step)
     if t.is_meta:
         raise ValueError(f"tensor {name!r} is on the meta device and has no data to checkpoint")
@@ -182,6 +188,20 @@ def _check_tensor(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"tensor {name!r} is a nested tensor; only dense tensors can be checkpointed")
     if t.layout is not torch.strided:
         raise TypeError(f"tensor {name!r} has layout {t.layout}; only dense tensors can be checkpointed")
+    # the snapshot cannot read a subclass with a __torch_dispatch__ (the Python dispatch key): .numpy()
+    # refuses it, and a wrapper has no bytes of its own; one that only overrides __torch_function__
+    # (nn.Parameter, as_subclass) reads as a plain tensor
+    if type(t) is not _Tensor and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
+        what = "that wraps other tensors" if is_traceable_wrapper_subclass(t) else "with its own __torch_dispatch__"
+        raise TypeError(f"tensor {name!r} is a torch.Tensor subclass ({type(t).__name__}) {what}; only plain "
+                        "tensors (and DTensor) can be checkpointed: checkpoint the plain tensors it holds instead")
+    # the snapshot copies a tensor's bytes, which a conjugate or negative view holds unconjugated or unnegated
+    if t.is_conj():
+        raise ValueError(f"tensor {name!r} is a conjugate view (its conjugate bit is set, as .conj() leaves "
+                         "it); call .resolve_conj() on it and checkpoint that tensor, which holds the same values")
+    if t.is_neg():
+        raise ValueError(f"tensor {name!r} is a negative view (its negative bit is set, as .conj().imag leaves "
+                         "it); call .resolve_neg() on it and checkpoint that tensor, which holds the same values")
     try:
         storage_dtype(t.dtype)
     except TypeError:

@@ -292,3 +292,84 @@ def test_an_error_of_an_extras_own_state_dict_says_whose_it_is(run_dir):
         assert caught.value.__notes__ == ["datastates-hist: raised while collecting 'extra/sampler' for step 0"]
         ckpt.write(0, torch.nn.Linear(2, 2))  # nothing of the refused step was kept
     assert dh.open(run_dir).steps == [0]
+
+
+# --- tensors the snapshot cannot copy ----------------------------------------------------
+
+def two_tensor():
+    from torch.testing._internal.two_tensor import TwoTensor  # a wrapper subclass, as torchao's quantized tensors
+
+    return TwoTensor(torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0]))
+
+
+def logging_tensor():
+    from torch.testing._internal.logging_tensor import LoggingTensor  # __torch_dispatch__, no __tensor_flatten__
+
+    return LoggingTensor(torch.tensor([1.0, 2.0]))
+
+
+RESOLVE = "call .resolve_{0}() on it and checkpoint that tensor, which holds the same values"
+PLAIN_ONLY = "only plain tensors (and DTensor) can be checkpointed: checkpoint the plain tensors it holds instead"
+
+CONJ = "tensor '{}' is a conjugate view (its conjugate bit is set, as .conj() leaves it); " + RESOLVE.format("conj")
+
+# (id, where: a buffer of the model or an extra, the tensor, the error, its message)
+UNCOPYABLE_CASES = [
+    ("a conjugate view", "model", lambda: torch.tensor([1 + 2j, 3 - 1j]).conj(), ValueError, CONJ.format("model/t")),
+    ("a conjugate transpose", "extra", lambda: torch.tensor([[1 + 2j, 3j]], dtype=torch.complex128).mH, ValueError,
+     CONJ.format("extra/t")),
+    ("a negative view", "extra", lambda: torch.tensor([1 + 2j, 3 - 1j]).conj().imag, ValueError,
+     "tensor 'extra/t' is a negative view (its negative bit is set, as .conj().imag leaves it); "
+     + RESOLVE.format("neg")),
+    ("a wrapper subclass", "model", two_tensor, TypeError,
+     f"tensor 'model/t' is a torch.Tensor subclass (TwoTensor) that wraps other tensors; {PLAIN_ONLY}"),
+    ("a wrapper subclass as an extra", "extra", two_tensor, TypeError,
+     f"tensor 'extra/t' is a torch.Tensor subclass (TwoTensor) that wraps other tensors; {PLAIN_ONLY}"),
+    ("a __torch_dispatch__ subclass", "model", logging_tensor, TypeError,
+     f"tensor 'model/t' is a torch.Tensor subclass (LoggingTensor) with its own __torch_dispatch__; {PLAIN_ONLY}"),
+]
+
+
+@pytest.mark.parametrize("where, make, error, message", [c[1:] for c in UNCOPYABLE_CASES],
+                         ids=[c[0] for c in UNCOPYABLE_CASES])
+def test_tensors_the_snapshot_cannot_copy_are_refused_at_write(run_dir, backend, where, make, error, message):
+    """Accepted, they failed the step later (at close() or the next write()) with torch's
+    error naming no tensor, and nothing was committed."""
+    model, extra = linear(), {}
+    if where == "model":
+        model.register_buffer("t", make())
+    else:
+        extra["t"] = make()
+    with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+        with pytest.raises(error) as info:
+            ckpt.write(0, model, **extra)
+        assert str(info.value) == message
+        ckpt.wait()
+        assert ckpt.steps() == [] and os.listdir(os.path.join(run_dir, "steps")) == []
+        ckpt.write(0, linear(), t=torch.arange(3.0))
+        ckpt.wait()
+        assert ckpt.steps() == [0]
+    assert dh.open(run_dir).steps == [0]
+
+
+class Tagged(torch.Tensor):
+    """A subclass that only tags a tensor, holding its bytes (no __torch_dispatch__): as_subclass makes one."""
+
+
+def test_parameters_buffers_and_plain_subclasses_are_still_checkpointed(run_dir, backend):
+    model = linear()
+    model.kept = torch.nn.Buffer(torch.arange(3.0))
+    model.register_buffer("tagged", torch.arange(4.0).as_subclass(Tagged))
+    model.register_buffer("resolved", torch.tensor([1 + 2j, 3 - 1j]).conj().resolve_conj())
+    extra = {"p": torch.nn.Parameter(torch.ones(2)), "s": torch.arange(5).as_subclass(Tagged),
+             "b": torch.nn.Buffer(torch.zeros(2)), "n": torch.tensor([1 + 2j]).conj().imag.resolve_neg()}
+    with dh.Checkpointer(run_dir, backend=backend) as ckpt:
+        ckpt.write(0, model, **extra)
+        ckpt.wait()
+        assert ckpt.steps() == [0]
+    with dh.open(run_dir) as h:
+        for name, t in [*model.state_dict().items(), *((f"extra/{k}", v) for k, v in extra.items())]:
+            got = h.read(name, 0)
+            assert got.dtype == t.dtype and torch.equal(got, t.as_subclass(torch.Tensor).detach()), name
+        assert torch.equal(h.read("resolved", 0), torch.tensor([1 - 2j, 3 + 1j]))
+        assert torch.equal(h.read("extra/n", 0), torch.tensor([-2.0]))
