@@ -132,3 +132,52 @@ def test_stale_temporary_is_removed_never_followed(tmp_path, trained, capsys, su
         EXIT_USAGE, "", f"datastates-hist: cannot write beside {other}: a folder is there that no export left; "
         "move it away\n")
     assert (other / "data.txt").read_text() == "mine"
+
+
+def every_dtype(but=()):
+    """A module holding a buffer of each dtype the store holds, named ``t_`` and the dtype
+    (a module's own methods take the bare names: bfloat16(), bool())."""
+    from datastates_hist.dtypes import STORABLE
+
+    module = torch.nn.Module()
+    for dtype in sorted(STORABLE - set(but), key=str):
+        values = torch.tensor([1 + 2j, -3.5 - 4j]) if dtype.is_complex else torch.tensor([0.0, 1.0, 3.0])
+        module.register_buffer("t_" + str(dtype).removeprefix("torch."), values.to(dtype))
+    return module
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_each_format_takes_every_dtype_it_can_and_safetensors_refuses_complex128(tmp_path, backend, capsys):
+    """safetensors has no complex128: the refusal comes before anything is written, where its
+    own error was a bare KeyError (exit 3, "does not exist"); torch and DCP take every dtype."""
+    run = tmp_path / "run"
+    model, lacking = every_dtype(), every_dtype(but=[torch.complex128])
+    with dh.Checkpointer(run, backend=backend) as ckpt:
+        ckpt.write(0, model, z=torch.zeros(2, dtype=torch.complex128))
+        ckpt.write(1, lacking)
+    target = tmp_path / "out.safetensors"
+    assert cli(capsys, "export", run, 0, "--to", target) == (
+        EXIT_USAGE, "", "datastates-hist: safetensors cannot store tensor 't_complex128' of dtype complex128; export it "
+        "--to a .pt file or a DCP folder (.dcp)\n")
+    assert cli(capsys, "export", run, 0, "--to", target, "--all") == (
+        EXIT_USAGE, "", "datastates-hist: safetensors cannot store 2 tensors of dtype complex128: model/t_complex128, "
+        "extra/z; export them --to a .pt file or a DCP folder (.dcp)\n")
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # no file, no temporary
+
+    from safetensors.torch import load_file
+
+    assert cli(capsys, "export", run, 1, "--to", target)[0] == 0  # every other dtype
+    exported = load_file(str(target))
+    assert sorted(exported) == sorted(lacking.state_dict())
+    assert all(same_bits(exported[name], t) for name, t in lacking.state_dict().items())
+    assert cli(capsys, "export", run, 0, "--to", tmp_path / "out.pt")[0] == 0
+    exported = torch.load(tmp_path / "out.pt")
+    assert sorted(exported) == sorted(model.state_dict())
+    assert all(same_bits(exported[name], t) for name, t in model.state_dict().items())
+    assert cli(capsys, "export", run, 0, "--to", tmp_path / "out.dcp")[0] == 0
+    state = {name: torch.empty_like(t) for name, t in model.state_dict().items()}
+    dcp_load(state, tmp_path / "out.dcp")
+    assert all(same_bits(state[name], t) for name, t in model.state_dict().items())

@@ -117,6 +117,8 @@ def run(args) -> int:
             names = [n for n in names if n.startswith(MODEL_PREFIX)]
             if not names:
                 raise KeyError(f"step {step} of {args.run} holds no model tensors (try --all)")
+        if kind == "safetensors":  # before any tensor is read or anything written
+            check_safetensors_dtypes({(n if args.all else short_name(n)): data.records[n].dtype for n in names})
         tensors = {(n if args.all else short_name(n)): data.read(n).contiguous() for n in names}
         rounded = {(n if args.all else short_name(n)): data.records[n] for n in names
                    if data.records[n].rounded_bits is not None}  # as read: what was written
@@ -158,6 +160,29 @@ def run(args) -> int:
     for note in notes:
         print(f"datastates-hist: {note}", file=sys.stderr)
     return 0
+
+
+def check_safetensors_dtypes(dtypes: dict[str, str]) -> None:
+    """Refuse tensors (export name -> stored dtype name) of a dtype the installed safetensors
+    cannot write and read back, complex128 for one: its own error is a bare KeyError of the dtype."""
+    from safetensors import torch as st
+
+    from ..dtypes import torch_dtype
+
+    # its own tables, since versions differ in the dtypes they hold: those it writes (_SIZE) and reads back (_TYPES)
+    sizes, types = getattr(st, "_SIZE", None), getattr(st, "_TYPES", None)
+    if not isinstance(sizes, dict) or not isinstance(types, dict):
+        return  # tables of another shape: left to save_file
+    held = set(sizes) & set(types.values())
+    bad = {name: dtype for name, dtype in dtypes.items() if torch_dtype(dtype) not in held}
+    if len(bad) == 1:
+        (name, dtype), = bad.items()
+        raise ValueError(f"safetensors cannot store tensor {name!r} of dtype {dtype}; export it --to a .pt file "
+                         "or a DCP folder (.dcp)")
+    if bad:
+        kinds = " or ".join(sorted(set(bad.values())))
+        raise ValueError(f"safetensors cannot store {len(bad)} tensors of dtype {kinds}: {listed(list(bad))}; "
+                         "export them --to a .pt file or a DCP folder (.dcp)")
 
 
 def export_notes(h, step: int, data, names: list[str], rounded: dict, every: bool) -> list[str]:
