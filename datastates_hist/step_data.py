@@ -25,10 +25,10 @@ from .boxes import overlap
 from .cache import aligned
 from .digest import checksum_bytes
 from .dtypes import dtype_name, storage_dtype, storage_torch_dtype, torch_dtype
-from .errors import CorruptionError, StepNotFoundError
+from .errors import CorruptionError, FormatError, StepNotFoundError
 from .codecs import decode
 from .rounding import add_low_bits
-from .index import StepRow, unit_path
+from .index import FORMAT_VERSION, StepRow, unit_path
 from .items import LOSSY_KEYS, TensorRecord
 from .layout import restore_unit, unit_bytes
 
@@ -151,12 +151,18 @@ class StepData:
             if not (isinstance(self.values, dict) and isinstance(self.values.get("items"), dict)
                     and isinstance(self.values.get("objects"), dict)):
                 raise ValueError("its values are not {'items': {...}, 'objects': {...}}")
-            self.values["items"] = values.as_current(self.values["items"], int(doc.get("format_version", 1)))
+            version = int(doc.get("format_version", 1))
+            if version > FORMAT_VERSION:  # a reader opened before a newer writer upgraded the run
+                raise FormatError(f"step {row.step} of {run_dir} was written in format version {version}; "
+                                  f"this datastates-hist reads up to version {FORMAT_VERSION}: upgrade datastates-hist")
+            self.values["items"] = values.as_current(self.values["items"], version)
             self.world_size = int(doc.get("world_size", 1))  # ranks that wrote the step
             if doc.get("step") != row.step:
                 raise ValueError(f"it is the manifest of step {doc.get('step')!r}")
             self._check_predicted()
             self._check_stored_bytes()
+        except FormatError:
+            raise
         except KeyError as exc:
             raise CorruptionError(f"the manifest of step {row.step} in {run_dir} is damaged: "
                                   f"it has no {exc.args[0]!r}") from None

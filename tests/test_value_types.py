@@ -334,6 +334,25 @@ def test_a_dict_keyed_numpy_written_before_version_6_is_a_dict(tmp_path, backend
         assert h.scalar_names() == names
 
 
+def test_a_step_of_a_newer_format_is_refused_by_a_reader_opened_before(tmp_path):
+    """A reader open while a newer writer upgrades the run reads the new steps' manifests:
+    one of a version it does not know is refused, not decoded by today's rules."""
+    from test_paths_and_sizes import rewrite_manifest
+
+    run = str(tmp_path / "run")
+    with dh.Checkpointer(run, codec="raw") as ckpt:
+        ckpt.write(0, torch.nn.Linear(2, 2), x=np.float32(1.5))
+    h = dh.open(run)
+    try:
+        rewrite_manifest(run, 0, lambda doc: doc.update(format_version=FORMAT_VERSION + 1))
+        with pytest.raises(dh.FormatError) as exc:
+            h.read("extra/x", 0)
+        assert str(exc.value) == (f"step 0 of {run} was written in format version {FORMAT_VERSION + 1}; this "
+                                  f"datastates-hist reads up to version {FORMAT_VERSION}: upgrade datastates-hist")
+    finally:
+        h.close()
+
+
 @pytest.mark.parametrize("inner, says", [
     (["object", 1], f"a numpy scalar of dtype 'object', not one of the dtypes stored ({ALLOWED})"),
     (["float128", 1.0], f"a numpy scalar of dtype 'float128', not one of the dtypes stored ({ALLOWED})"),
