@@ -13,7 +13,7 @@ import torch
 
 from . import predictors, values
 from .items import TensorItem, ValueItem
-from .providers import Context, Problems, StateProvider, flatten
+from .providers import Context, Problems, StateProvider, decoded, flatten_under, placeholders
 from .sharding import is_dtensor
 
 class OptimizerProvider(StateProvider):
@@ -68,7 +68,7 @@ class OptimizerProvider(StateProvider):
             problems.mismatched.append(("param_groups", type(opt).__qualname__, stored["type"]))
             return problems  # another optimizer: its parameters and state mean nothing here
         for group in stored["groups"]:  # a placeholder names a tensor the step holds
-            _held(state, _placeholders(group["options"]))
+            _held(state, placeholders(group["options"]))
         problems.mismatched += self._group_problems(opt, stored, ctx)
         have = {n for names in self._names(opt, ctx) for n in names}
         saved = _saved_names(stored)
@@ -102,7 +102,7 @@ class OptimizerProvider(StateProvider):
             own = opt.state.get(p, {})
             for key, rname, data in entry:
                 if rname is None:
-                    held = _held(state, _placeholders(data))
+                    held = _held(state, placeholders(data))
                     if held and is_dtensor(p):
                         out.append((pname, (f"state/{pname}/{key}", "no tensors in a list or dict (the parameter is "
                                             "sharded: they cannot be resharded)",
@@ -140,7 +140,7 @@ class OptimizerProvider(StateProvider):
             options = {key: v for key, v in group.items() if key != "params"}
             found = next((group_of[n] for n in names if n in group_of), None)
             if found is not None:
-                options.update(_onto(_decoded(state, found["options"]), options))
+                options.update(_onto(decoded(state, found["options"]), options))
             ids = []
             for name in names:
                 p = params[name]
@@ -150,7 +150,7 @@ class OptimizerProvider(StateProvider):
                     own, entry = opt.state.get(p, {}), {}
                     for key, rname, data in entries.get(name, []):
                         if rname is None:
-                            entry[key] = _decoded(state, data)
+                            entry[key] = decoded(state, data)
                         else:  # sharded as the optimizer's own, else as the parameter if of its shape
                             live = own.get(key)
                             if not is_dtensor(live):
@@ -236,10 +236,6 @@ _PARAM_SHAPED = tuple(getattr(torch.optim, name) for name in (
 
 _TAGS = frozenset(values.TAGS)
 
-# the tags of the placeholders that name a tensor item (values.py)
-_PLACEHOLDERS = ("__tensor__", "__ndarray__")
-
-
 def _state_name(pname: str, key: Any) -> str:
     """The item name of state ``key`` of parameter ``pname``: the key itself when a string
     (as always), else its text percent-quoted (an int ``0``: ``0``)."""
@@ -267,44 +263,9 @@ def _claim(name: str, tensors: dict, t: torch.Tensor, where: Callable[[], str]) 
 
 
 def _flattened(value: Any, base: str, tensors: dict, where: str) -> Any:
-    """``value`` as safe JSON data (:func:`.providers.flatten`), each tensor (or numeric
-    array) in it a placeholder naming the tensor item ``<base>/<path>``, which is added to
-    ``tensors`` (a value that is a tensor itself is the item ``base``)."""
-    data, found = flatten(value, where)
-    if not found:
-        return data
-    for rel, t in found.items():
-        _claim(f"{base}/{rel}" if rel else base, tensors, t, lambda: where)
-    return _renamed(data, base)
-
-
-def _renamed(data: Any, base: str) -> Any:
-    """``data`` with each placeholder's name put under ``base``."""
-    if isinstance(data, list):
-        return [_renamed(v, base) for v in data]
-    if isinstance(data, dict):
-        if len(data) == 1:
-            (tag, inner), = data.items()
-            if tag in _PLACEHOLDERS and isinstance(inner, str):
-                return {tag: f"{base}/{inner}" if inner else base}
-        return {k: _renamed(v, base) for k, v in data.items()}
-    return data
-
-
-def _placeholders(data: Any) -> list[str]:
-    """The tensor item names of the placeholders in ``data`` (iterative: no recursion to
-    run out of on a crafted value)."""
-    out, todo = [], [data]
-    while todo:
-        x = todo.pop()
-        if isinstance(x, list):
-            todo.extend(x)
-        elif isinstance(x, dict):
-            if len(x) == 1 and next(iter(x)) in _PLACEHOLDERS:
-                out.append(str(next(iter(x.values()))))
-            else:
-                todo.extend(x.values())
-    return out
+    """:func:`.providers.flatten_under`, each tensor added to ``tensors`` (refusing a name
+    another state took)."""
+    return flatten_under(value, base, where, lambda name, t: _claim(name, tensors, t, lambda: where))
 
 
 def _held(state, names: list[str]) -> int:
@@ -313,11 +274,6 @@ def _held(state, names: list[str]) -> int:
         if name not in state.records:
             raise KeyError(f"a value refers to tensor {name!r}, which the step does not hold")
     return len(names)
-
-
-def _decoded(state, data: Any) -> Any:
-    """A stored value with its placeholders' tensors read."""
-    return values.decode(data, {name: state.tensor(name) for name in _placeholders(data)})
 
 
 def _onto(value: Any, live: Any) -> Any:
@@ -376,7 +332,7 @@ def _stored_state(state, saved: set[str]) -> dict[str, list[tuple[Any, str | Non
                 referenced.add(data["__tensor__"])
             else:
                 mine.append((key, None, data))
-                referenced.update(_placeholders(data))
+                referenced.update(placeholders(data))
     for rname in state.records:  # the state tensors of string keys, by their names
         if rname.startswith("state/") and rname not in referenced:
             pname, key = _split_state_name(rname, saved)

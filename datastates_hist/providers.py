@@ -246,6 +246,56 @@ def flatten(obj: Any, where: str) -> tuple[Any, dict[str, torch.Tensor]]:
     return walk(obj, ""), tensors
 
 
+# the tags of the placeholders that name a tensor item (values.py)
+PLACEHOLDERS = ("__tensor__", "__ndarray__")
+
+
+def flatten_under(value: Any, base: str, where: str, add: Callable[[str, torch.Tensor], None]) -> Any:
+    """``value`` as safe JSON data (:func:`flatten`), each tensor (or numeric array) in it a
+    placeholder naming the tensor item ``<base>/<path>``, handed to ``add(name, tensor)``
+    (a value that is a tensor itself is the item ``base``)."""
+    data, found = flatten(value, where)
+    if not found:
+        return data
+    for rel, t in found.items():
+        add(f"{base}/{rel}" if rel else base, t)
+    return _renamed(data, base)
+
+
+def _renamed(data: Any, base: str) -> Any:
+    """``data`` with each placeholder's name put under ``base``."""
+    if isinstance(data, list):
+        return [_renamed(v, base) for v in data]
+    if isinstance(data, dict):
+        if len(data) == 1:
+            (tag, inner), = data.items()
+            if tag in PLACEHOLDERS and isinstance(inner, str):
+                return {tag: f"{base}/{inner}" if inner else base}
+        return {k: _renamed(v, base) for k, v in data.items()}
+    return data
+
+
+def placeholders(data: Any) -> list[str]:
+    """The tensor item names of the placeholders in stored value ``data`` (iterative: no
+    recursion to run out of on a crafted value)."""
+    out, todo = [], [data]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, list):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            if len(x) == 1 and next(iter(x)) in PLACEHOLDERS:
+                out.append(str(next(iter(x.values()))))
+            else:
+                todo.extend(x.values())
+    return out
+
+
+def decoded(state: StoredState, data: Any) -> Any:
+    """Stored value ``data`` with its placeholders' tensors read from ``state``."""
+    return values.decode(data, {name: state.tensor(name) for name in placeholders(data)})
+
+
 class TreeProvider(StateProvider):
     """Plain values, tensors, arrays, and dicts/lists/tuples of them."""
 

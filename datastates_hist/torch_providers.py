@@ -15,8 +15,9 @@ from torch.nn.parameter import is_lazy
 
 from . import values
 from .items import TensorItem, ValueItem
-from .optimizer_state import OptimizerProvider, _decoded, _flattened
-from .providers import EXPANDED, Context, Problems, StateProvider, expanded, matching, register_provider
+from .optimizer_state import OptimizerProvider
+from .providers import (EXPANDED, Context, Problems, StateProvider, compare, decoded, expanded, flatten_under,
+                        matching, register_provider)
 from .sharding import is_dtensor
 
 
@@ -59,14 +60,21 @@ class ModuleProvider(StateProvider):
 
     kind = "ModuleProvider"
 
-    def _tensors(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        return {
-            k: v for k, v in unwrap(module).state_dict(keep_vars=True).items()
-            if isinstance(v, torch.Tensor)
-        }
+    @staticmethod
+    def _tensors(entries: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The tensors among the module's ``state_dict(keep_vars=True)`` entries."""
+        return {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
+
+    @staticmethod
+    def _entries(module: nn.Module) -> dict[str, Any]:
+        # one state_dict() per call: its hooks and get_extra_state() may cost something
+        return unwrap(module).state_dict(keep_vars=True)
 
     def items(self, module, ctx):
-        for name, v in unwrap(module).state_dict(keep_vars=True).items():
+        return self._items(self._entries(module))
+
+    def _items(self, entries: dict[str, Any]):
+        for name, v in entries.items():
             if isinstance(v, torch.Tensor):
                 if is_lazy(v):
                     raise ValueError(f"{name!r} of a lazy module (nn.LazyLinear, ...) has no shape yet: "
@@ -75,21 +83,24 @@ class ModuleProvider(StateProvider):
                 yield TensorItem(name, v.detach(), volatile=not isinstance(v, nn.Parameter))
                 continue
             tensors: dict[str, torch.Tensor] = {}
-            yield ValueItem(name, _flattened(v, name, tensors, f"module state {name!r}"))
+            yield ValueItem(name, flatten_under(v, name, f"module state {name!r}", tensors.__setitem__))
             for tname, t in tensors.items():
                 yield TensorItem(tname, t, volatile=True)
 
     def check(self, module, state, ctx):
-        problems = super().check(module, state, ctx)
-        live = {i.name for i in self.items(module, ctx) if isinstance(i, ValueItem)}
+        entries = self._entries(module)
+        items = list(self._items(entries))
+        problems = compare(items, state)
+        live = {i.name for i in items if isinstance(i, ValueItem)}
         stored = _entry_values(state)
         problems.missing += [n for n in live if n not in stored]
         problems.unexpected += [n for n in stored if n not in live]
+        tensors = self._tensors(entries)
         # copy_ into a meta tensor does nothing: loading would silently leave the model empty
         problems.mismatched += [(n, "a tensor with data", "a meta tensor: materialize the model first "
                                  "(model.to_empty(device=...))")
-                                for n, t in self._tensors(module).items() if t.is_meta]
-        problems.mismatched += [(n, *EXPANDED) for n, t in self._tensors(module).items() if expanded(t)]
+                                for n, t in tensors.items() if t.is_meta]
+        problems.mismatched += [(n, *EXPANDED) for n, t in tensors.items() if expanded(t)]
         return problems
 
     def leaves_unloaded(self, problems):
@@ -97,10 +108,10 @@ class ModuleProvider(StateProvider):
 
     def destinations(self, module, ctx):
         # the store reads only into those it can (CPU, contiguous, of the stored dtype and shape)
-        return {n: t for n, t in self._tensors(module).items() if not is_dtensor(t)}
+        return {n: t for n, t in self._tensors(self._entries(module)).items() if not is_dtensor(t)}
 
     def load(self, module, state, ctx):
-        live, inner = self._tensors(module), unwrap(module)
+        live, inner = self._tensors(self._entries(module)), unwrap(module)
         own = {id(t) for t in (*inner.parameters(), *inner.buffers())}
         made = {}  # entries state_dict() makes: the module's load_state_dict() takes them back
         with torch.no_grad():
@@ -115,7 +126,7 @@ class ModuleProvider(StateProvider):
                     stored = state.tensor(name)
                     if stored.data_ptr() != live[name].data_ptr():  # not already read into it
                         live[name].copy_(stored)
-        made.update((name, _decoded(state, data)) for name, data in _entry_values(state).items())
+        made.update((name, decoded(state, data)) for name, data in _entry_values(state).items())
         if made:
             left = inner.load_state_dict(made, strict=False).unexpected_keys
             if left:
