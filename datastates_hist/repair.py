@@ -71,14 +71,14 @@ from .backends import backend_names, get_backend
 from .digest import checksum_bytes
 from .durable import fsync_dir, fsync_path, remove_tree, rename_into_place
 from .errors import CorruptionError, FormatError, StoreNotFoundError
-from .index import FORMAT_VERSION, MAX_TIME, Index, StepRow
+from .index import MAX_TIME, Index, StepRow
 from .items import TensorRecord
 from .layout import (DAMAGED_DIR, MAX_STEP, RANKS_SUFFIX, REBUILDING_DIR, file_not_run, finished_units,
                      index_path, main_of_restore_unit, rank_file, restore_unit, step_of_unit, steps_dir,
                      take_writer_lock)
 from .scalars import scalars_of
 from .values import as_current
-from .step_data import StepData
+from .step_data import StepData, manifest_version
 from .store import DECODED_PER_TENSOR
 
 PREVIOUS_INDEX_SUFFIX = ".previous"  # the healthy index a forced repair replaced: RUN/index.sqlite.previous
@@ -413,9 +413,7 @@ def _read_unit(run_dir: str, unit: str, backends, old_times: dict[int, float], v
     try:
         raw = reader.manifest()
         doc = json.loads(raw)
-        if int(doc["format_version"]) > FORMAT_VERSION:
-            raise FormatError(f"written in format version {doc['format_version']}; "
-                              f"this datastates-hist writes up to {FORMAT_VERSION}")
+        manifest_version(doc)
         if doc["step"] != step:
             raise CorruptionError(f"its manifest is of step {doc['step']}, its name says {step}")
         if doc.get("unit") == "restore":
@@ -443,7 +441,7 @@ def _scalars(doc: dict) -> dict[str, int | float]:
     values = doc.get("values")
     if not (isinstance(values, dict) and isinstance(values.get("items"), dict)):
         raise ValueError("its values are not {'items': {...}, 'objects': {...}}")
-    return scalars_of(as_current(values["items"], int(doc.get("format_version", 1))))
+    return scalars_of(as_current(values["items"], manifest_version(doc)))
 
 
 def _restore_checksum(doc: dict) -> str | None:

@@ -117,6 +117,19 @@ def _shares(jobs: list[tuple], n: int) -> list[list[tuple]]:
     return shares if jobs else []
 
 
+def manifest_version(doc: dict, subject: str = "") -> int:
+    """The format version step manifest ``doc`` was written in (1 where it names none).
+
+    Raises:
+        FormatError: a version newer than this reader's, its message led by ``subject``.
+    """
+    version = int(doc.get("format_version", 1))
+    if version > FORMAT_VERSION:
+        raise FormatError(f"{subject}written in format version {version}; this datastates-hist reads up to "
+                          f"version {FORMAT_VERSION}: upgrade datastates-hist")
+    return version
+
+
 class StepData:
     """An open step: its records and plain values, and verified tensor reads.
 
@@ -151,10 +164,8 @@ class StepData:
             if not (isinstance(self.values, dict) and isinstance(self.values.get("items"), dict)
                     and isinstance(self.values.get("objects"), dict)):
                 raise ValueError("its values are not {'items': {...}, 'objects': {...}}")
-            version = int(doc.get("format_version", 1))
-            if version > FORMAT_VERSION:  # a reader opened before a newer writer upgraded the run
-                raise FormatError(f"step {row.step} of {run_dir} was written in format version {version}; "
-                                  f"this datastates-hist reads up to version {FORMAT_VERSION}: upgrade datastates-hist")
+            # a reader opened before a newer writer upgraded the run meets steps of a newer version
+            version = manifest_version(doc, f"step {row.step} of {run_dir} was ")
             self.values["items"] = values.as_current(self.values["items"], version)
             self.world_size = int(doc.get("world_size", 1))  # ranks that wrote the step
             if doc.get("step") != row.step:

@@ -353,6 +353,25 @@ def test_a_step_of_a_newer_format_is_refused_by_a_reader_opened_before(tmp_path)
         h.close()
 
 
+def test_verify_and_repair_name_a_step_of_a_newer_format_and_keep_it(tmp_path, capsys):
+    from test_paths_and_sizes import rewrite_manifest
+    from datastates_hist.cli import main
+    from datastates_hist.verify import verify_run
+
+    run = str(tmp_path / "run")
+    with dh.Checkpointer(run, codec="raw") as ckpt:
+        ckpt.write(0, torch.nn.Linear(2, 2))
+        ckpt.write(1, torch.nn.Linear(2, 2))
+    rewrite_manifest(run, 1, lambda doc: doc.update(format_version=FORMAT_VERSION + 1))
+    newer = (f"written in format version {FORMAT_VERSION + 1}; this datastates-hist reads up to version "
+             f"{FORMAT_VERSION}: upgrade datastates-hist")
+    assert [(p.step, p.message) for p in verify_run(run)] == [
+        (1, f"its data cannot be opened: step 1 of {run} was {newer}")]
+    assert main(["repair", run, "--force"]) == 1
+    assert f"not committed, moved to damaged/000000000001.bp: {newer}" in capsys.readouterr().out
+    assert os.listdir(os.path.join(run, "damaged")) == ["000000000001.bp"]  # set aside, not deleted
+
+
 @pytest.mark.parametrize("inner, says", [
     (["object", 1], f"a numpy scalar of dtype 'object', not one of the dtypes stored ({ALLOWED})"),
     (["float128", 1.0], f"a numpy scalar of dtype 'float128', not one of the dtypes stored ({ALLOWED})"),
