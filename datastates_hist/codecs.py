@@ -90,8 +90,11 @@ _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 class _Residuals:
-    """The residual of a chunk against its prediction, and back, in preallocated scratch
-    (numpy's in-place integer ufuncs wrap modulo 2**width and release the GIL)."""
+    """The residual of a chunk against its prediction, and back, in scratch reused from
+    block to block (numpy's in-place integer ufuncs wrap modulo 2**width and release the
+    GIL). The scratch is allocated on first use, at most one block: an encoder is made
+    per tensor and step, so one allocated whole up front costs :data:`BLOCK` bytes
+    per tensor however small (4000 tensors of 8 bytes: 1 GB held until the step's end)."""
 
     BLOCK = 256 << 10  # bytes per pass: the several passes over a block stay in the CPU cache
 
@@ -102,7 +105,16 @@ class _Residuals:
         self.itemsize = itemsize
         self.unsigned, self.signed = _UNSIGNED[itemsize], _SIGNED[itemsize]
         self.shift = 8 * itemsize - 1
-        self._scratch = np.empty(self.BLOCK, np.uint8).view(self.unsigned)
+        self._scratch_buf = np.empty(0, self.unsigned)
+
+    def _scratch(self, n: int) -> np.ndarray:
+        """``n`` elements of scratch (one block's at most)."""
+        if self._scratch_buf.size < n:
+            self._scratch_buf = np.empty(n, self.unsigned)
+        return self._scratch_buf[:n]
+
+    def release(self) -> None:
+        self._scratch_buf = np.empty(0, self.unsigned)
 
     def _blocks(self, *arrays):
         """The arrays (uint8, one length, or None) cut into blocks of :data:`BLOCK`, as elements."""
@@ -112,7 +124,7 @@ class _Residuals:
     def _predict(self, base: np.ndarray, base2: np.ndarray | None) -> np.ndarray:
         if base2 is None:
             return base
-        predicted = self._scratch[:base.size]
+        predicted = self._scratch(base.size)
         np.left_shift(base, 1, out=predicted)
         np.subtract(predicted, base2, out=predicted)
         return predicted
@@ -141,7 +153,7 @@ class _Residuals:
 
     def _zigzag(self, diff: np.ndarray) -> None:
         signed = diff.view(self.signed)
-        sign = self._scratch[:diff.size].view(self.signed)
+        sign = self._scratch(diff.size).view(self.signed)
         np.right_shift(signed, self.shift, out=sign)  # all ones where negative
         np.left_shift(signed, 1, out=signed)
         np.bitwise_xor(signed, sign, out=signed)
@@ -150,7 +162,7 @@ class _Residuals:
         """Turn ``residual`` (decompressed, in place) back into the element bytes
         (``shift``: the bits the encoder shifted the difference right by)."""
         for z, b1, b2 in self._blocks(residual, base, base2):
-            negative = self._scratch[:z.size]
+            negative = self._scratch(z.size)
             np.bitwise_and(z, 1, out=negative)
             np.negative(negative, out=negative)  # 0 or all ones
             np.right_shift(z, 1, out=z)
@@ -466,6 +478,7 @@ class Encoder:
         blob = np.frombuffer(b"".join(self._stored), np.uint8)
         self._stored = []
         self._residual_buf = self._grouped_buf = self._predicted_buf = np.empty(0, np.uint8)
+        self._residuals.release()
         ratio = self._norms.ratio() if self._norms is not None else None
         return blob, self._chunks, ratio
 

@@ -50,7 +50,8 @@ def round_mantissa(array: np.ndarray, dtype: str, keep_bits: int) -> np.ndarray:
 
 class _Rounder:
     """:func:`round_mantissa` of 1-D bit patterns into a given array, block by block in
-    preallocated scratch (in place, numpy's integer ufuncs release the GIL)."""
+    scratch allocated on first use, at most one block (in place, numpy's integer ufuncs
+    release the GIL): one is made per rounded tensor and step, however small."""
 
     BLOCK = 1 << 16  # elements per pass: the passes over a block stay in the CPU cache
 
@@ -61,15 +62,17 @@ class _Rounder:
         self.exponent_mask = t(((1 << (width - 1 - mantissa)) - 1) << mantissa)
         self.keep_mask = t(~((1 << int(self.drop)) - 1) & ((1 << width) - 1))
         self.half_minus_one = t((1 << int(self.drop)) >> 1) - t(1) if self.drop else t(0)
-        self._scratch = np.empty(self.BLOCK, t)
-        self._special = np.empty(self.BLOCK, bool)
-        self._overflowed = np.empty(self.BLOCK, bool)
+        self._scratch, self._special, self._overflowed = np.empty(0, t), np.empty(0, bool), np.empty(0, bool)
 
     def round_into(self, bits: np.ndarray, out: np.ndarray) -> None:
         if not self.drop:
             np.copyto(out, bits)
             return
         one = self.bits_type(1)
+        if self._scratch.size < min(bits.size, self.BLOCK):
+            n = min(bits.size, self.BLOCK)
+            self._scratch, self._special, self._overflowed = (
+                np.empty(n, self.bits_type), np.empty(n, bool), np.empty(n, bool))
         for at in range(0, bits.size, self.BLOCK):
             b, o = bits[at:at + self.BLOCK], out[at:at + self.BLOCK]
             scratch, special, overflowed = (a[:b.size] for a in (self._scratch, self._special, self._overflowed))
@@ -135,6 +138,7 @@ class MantissaSplit:
         """``(blob, chunks)`` of the low bits (as :meth:`Encoder.finish`)."""
         blob, chunks, _ = self.low.finish()
         self._rounded_buf = self._low_buf = np.empty(0, np.uint8)
+        self._rounder = _Rounder(self.dtype, self.keep_bits)  # its scratch let go
         return blob, chunks
 
 
