@@ -318,11 +318,11 @@ class Index:
         """The rows of the restore points (every step that is not a trajectory point)."""
         return [self._step_row(r) for r in self._read("SELECT * FROM steps WHERE tier <> 'trajectory' ORDER BY step")]
 
-    def delta_bases(self) -> list[tuple[int, int]]:
-        """``(step, base)`` for every step that holds a delta against ``base``."""
+    def delta_bases(self, since: int = 0) -> list[tuple[int, int]]:
+        """``(step, base)`` for every step from ``since`` on that holds a delta against ``base``."""
         if "base" not in self._tensor_columns:
             return []
-        return self._read("SELECT DISTINCT step, base FROM tensors WHERE base IS NOT NULL")
+        return self._read("SELECT DISTINCT step, base FROM tensors WHERE step >= ? AND base IS NOT NULL", (since,))
 
     def stored_bytes(self) -> list[tuple[int, str, str, int, int]]:
         """``(step, group, encoding, nbytes, stored)`` for every step: its tensors' bytes

@@ -381,8 +381,12 @@ def demote_steps(run_dir: str, index: Index, steps: list[int]) -> list[int]:
 def protect_bases(index: Index, doomed_steps: list[int]) -> list[int]:
     """``doomed_steps`` without the delta bases of the steps that stay (and their
     bases in turn): removing one would leave a kept step undecodable."""
+    if not doomed_steps:
+        return []
+    # a base is an earlier step (or the step itself): only steps from the first doomed
+    # one on can lead to a doomed step, so the rest of the run is not read (every commit)
     bases: dict[int, set[int]] = {}
-    for step, base in index.delta_bases():
+    for step, base in index.delta_bases(since=min(doomed_steps)):
         bases.setdefault(step, set()).add(base)
     doomed_set = set(doomed_steps)
     frontier = [s for s in bases if s not in doomed_set]
@@ -400,6 +404,8 @@ def apply_retention(run_dir: str, index: Index, retention: Retention,
     """After a commit: demote and remove what ``retention`` lets go; ``(demoted, removed)``.
     ``kept_whole``: the restore points found not to hold the trajectory in their main unit
     (:func:`_keeps_the_trajectory`), added to as found (a committed step does not change)."""
+    if retention.keep is None:  # nothing to let go: the run's rows are not read (every commit)
+        return [], []
     kept_whole = set() if kept_whole is None else kept_whole
     demote, remove = retention.let_go(index.restore_rows())
     kept_whole.update(s for s in demote if s not in kept_whole and not _keeps_the_trajectory(
