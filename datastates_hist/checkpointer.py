@@ -25,7 +25,7 @@ from .commit import Committer, remove_uncommitted
 from .errors import CheckpointError, CorruptionError, StepNotFoundError, StepOrderError, StoreLockedError
 from .group import as_group
 from .index import Index
-from .layout import (MAX_STEP, WRITER_LOCK, finished_units, index_path, integral, run_path, steps_dir,
+from .layout import (MAX_STEP, WRITER_LOCK, count_of, finished_units, index_path, integral, run_path, steps_dir,
                      take_writer_lock)
 from .pipeline import Pipeline, checkpoint_failed
 from .restore import Restored, restore_step
@@ -34,6 +34,10 @@ from .retention import Retention, check_codec, check_policy, check_trajectory, k
 DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_PIECE_BYTES = 64 << 20
 DEFAULT_KEY_EVERY = 16
+# a crash loses at most this many written steps, and close() drains at most as many: a
+# small state every step would otherwise fill the cache with thousands of steps that
+# commit long after write() returned
+DEFAULT_STEPS_IN_FLIGHT = 8
 
 
 def _byte_count(value: Any, what: str) -> int:
@@ -87,6 +91,10 @@ class Checkpointer:
             only the CPU time training leaves (shorter steps, a larger history); False
             always encodes as ``codec`` says, so the history is as small as it can be
             whatever training waits. :attr:`raw_to_keep_up` counts the tensors stored raw.
+        max_steps_in_flight: how many written steps may be not yet committed: ``write()``
+            waits for the oldest one's commit beyond that (default 8). The host cache
+            bounds their bytes; this bounds how far the run's newest committed step
+            lags behind training, and so what a crash loses.
     """
 
     def __init__(self, path: str | os.PathLike, *, backend: str | None = None,
@@ -94,7 +102,8 @@ class Checkpointer:
                  host_cache_bytes: int = DEFAULT_CACHE_BYTES, piece_bytes: int = DEFAULT_PIECE_BYTES,
                  refuse_nonfinite: bool = False, comm: Any = None, backend_options: dict | None = None,
                  keep: Any = None, trajectory: Any = None, codec: str = "delta",
-                 key_every: int = DEFAULT_KEY_EVERY, keep_up: bool | None = None):
+                 key_every: int = DEFAULT_KEY_EVERY, keep_up: bool | None = None,
+                 max_steps_in_flight: int = DEFAULT_STEPS_IN_FLIGHT):
         self.path = run_path(path)
         host_cache_bytes = _byte_count(host_cache_bytes, "host_cache_bytes")
         if host_cache_bytes < ALIGN:  # before the run is opened: nothing to undo
@@ -108,6 +117,7 @@ class Checkpointer:
         if keep_up is not None and not isinstance(keep_up, bool):
             raise TypeError(f"keep_up must be None, True or False, got {keep_up!r}")
         self.key_every = key_every_count(key_every)
+        self.max_steps_in_flight = count_of(max_steps_in_flight, "max_steps_in_flight")
         self.group = as_group(comm)
         if self.retention.trajectory is not None and self.group.size > 1:
             raise ValueError("trajectory= is for runs written by one process; with several ranks, "
@@ -284,6 +294,7 @@ class Checkpointer:
         if not (ckpt.tensors and ckpt.tensors[0].volatile):  # volatile ones come first
             ckpt.volatile_done.set()  # nothing for the next forward to wait for
         self._pipeline.wait_snapshot()  # the previous one's
+        self._pipeline.wait_in_flight(self.max_steps_in_flight - 1)
         before = self._last_step, self.writes
         try:
             self._last_step, self.writes = step, self.writes + 1

@@ -117,6 +117,11 @@ class Pipeline:
         if event is not None:  # the training stream must not overwrite before the copy ran
             torch.cuda.current_stream().wait_event(event)
 
+    def wait_in_flight(self, at_most: int) -> None:
+        """Wait until at most ``at_most`` submitted checkpoints are neither committed nor failed."""
+        for ckpt in [c for c in self._pending if not c.done.is_set()][:-at_most or None]:
+            ckpt.done.wait()
+
     def wait(self) -> None:
         """Wait until every submitted checkpoint is committed or failed."""
         for ckpt in list(self._pending):
