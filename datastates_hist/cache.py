@@ -80,6 +80,13 @@ class HostCache:
             self.allocated += aligned(nbytes)
             return region
 
+    def release(self) -> None:
+        """Let the buffer go (the pipeline is closed: nothing allocates from it again)."""
+        with self._cond:
+            self._live.clear()
+            self.buffer = torch.empty(0, dtype=torch.uint8)
+            self.bytes = self.buffer.numpy()
+
     def held_bytes(self) -> int:
         """Bytes from the oldest region not given back to the newest (gaps included)."""
         with self._cond:

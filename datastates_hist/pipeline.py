@@ -180,6 +180,11 @@ class Pipeline:
                 self.committer.close()
             finally:
                 self._closed = True
+        if self._snapshotter is not None and not self.busy:
+            # the threads are done: let go of the host cache and the delta anchors (a closed
+            # Checkpointer kept cache + two values of every delta-encoded tensor until collected)
+            self._flusher.anchors.forget()
+            self.cache.release()
 
     @property
     def busy(self) -> bool:

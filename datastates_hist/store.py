@@ -326,4 +326,8 @@ class Store:
             for data in self._base_steps.values():
                 data.close()
             self._base_steps.clear()
+        with self._decoded_lock:  # a closed History (or restore's store) holds no decoded values
+            self._decoded.clear()
+            self._decoded_of.clear()
+            self._decoded_bytes = 0
         self.index.close()
