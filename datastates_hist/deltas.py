@@ -127,13 +127,16 @@ class Anchors:
         base = self._anchors.get(name) if delta else None
         if base is not None and (base.dtype != dtype or base.data.size != nbytes or base.step >= step):
             base = None
+        # the oldest value's buffer, read by nothing this step but a delta against it
+        oldest = None if base is None or base.base is None else base.base.data
         if base is not None and anchor and base.depth + 1 >= self.key_every:
-            base = None  # a key starts a new chain
+            base = None  # a key starts a new chain: its oldest value's buffer is free too
         base2 = None if base is None else base.base
         data = pending = None
         if anchor and delta:
             # the oldest value's buffer is reused: each piece replaces its bytes once encoded
-            data = base2.data if base2 is not None else np.empty(nbytes, np.uint8)
+            # (at a key too: a new buffer there held three values of every tensor at once)
+            data = oldest if oldest is not None else np.empty(nbytes, np.uint8)
             depth = 0 if base is None else base.depth + 1
             # the new anchor's base keeps its own data, but no longer its base (never used again)
             kept = None if base is None else _Anchor(base.step, base.depth, base.dtype, base.data)
