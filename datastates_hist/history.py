@@ -424,6 +424,9 @@ def diff_steps(ha: History, a: int, hb: History, b: int, names=None):
     return pd.DataFrame(rows, columns=cols)
 
 
+COMPARE_CHUNK = 1 << 20  # elements compared at a time
+
+
 def compare(x: torch.Tensor, y: torch.Tensor) -> dict[str, float | bool]:
     """Difference metrics of two tensors of the same shape, computed in float64.
 
@@ -442,15 +445,32 @@ def compare(x: torch.Tensor, y: torch.Tensor) -> dict[str, float | bool]:
     parts = x.is_complex()  # compared as (real, imaginary) pairs
     if parts:
         x, y = torch.view_as_real(x), torch.view_as_real(y)
-    both_nan = torch.isnan(x) & torch.isnan(y)
-    same = (x == y) | both_nan  # in the stored dtype: float64 would merge large int64s
-    changed = float((~(same.all(-1) if parts else same)).sum()) / numel if numel else 0.0
-    kept = ~both_nan
-    xd, yd = x[kept].to(torch.float64), y[kept].to(torch.float64)
-    d = torch.where(same[kept], 0.0, yd - xd)  # equal infinities differ by 0, not NaN
-    l2 = float(torch.linalg.vector_norm(d)) if d.numel() else 0.0
-    nx = float(torch.linalg.vector_norm(xd)) if xd.numel() else 0.0
-    ny = float(torch.linalg.vector_norm(yd)) if yd.numel() else 0.0
+    # element by element in chunks: the float64 copies and masks of a whole tensor took
+    # about 10 times its size (a 1 GB embedding: some 10 GB)
+    x, y = (x.reshape(-1, 2), y.reshape(-1, 2)) if parts else (x.reshape(-1), y.reshape(-1))
+    n_changed, d_sq, x_sq, y_sq, xy, max_abs, any_d = 0, 0.0, 0.0, 0.0, 0.0, 0.0, False
+    for i in range(0, x.shape[0], COMPARE_CHUNK):
+        xc, yc = x[i:i + COMPARE_CHUNK], y[i:i + COMPARE_CHUNK]
+        both_nan = torch.isnan(xc) & torch.isnan(yc)
+        same = (xc == yc) | both_nan  # in the stored dtype: float64 would merge large int64s
+        n_changed += int((~(same.all(-1) if parts else same)).sum())
+        kept = ~both_nan
+        xd, yd = xc[kept].to(torch.float64), yc[kept].to(torch.float64)
+        if not xd.numel():
+            continue
+        d = torch.where(same[kept], 0.0, yd - xd)  # equal infinities differ by 0, not NaN
+        any_d = True
+        d_sq += float(torch.dot(d, d))
+        x_sq += float(torch.dot(xd, xd))
+        y_sq += float(torch.dot(yd, yd))
+        xy += float(torch.dot(xd, yd))
+        top = float(d.abs().max())
+        if math.isnan(top) or top > max_abs:  # NaN stays
+            max_abs = top
+    changed = n_changed / numel if numel else 0.0
+    l2, nx, ny = math.sqrt(d_sq), math.sqrt(x_sq), math.sqrt(y_sq)
+    if not any_d:
+        max_abs = 0.0
     return {
         "l2": l2,
         # A change relative to an all-zero tensor has no value: NaN, which a ranking puts
@@ -458,8 +478,8 @@ def compare(x: torch.Tensor, y: torch.Tensor) -> dict[str, float | bool]:
         # eps)) is used: any eps would be a scale the tensor does not have, and give a
         # number that looks like a measurement.
         "rel_l2": 0.0 if l2 == 0 else (l2 / nx if nx else math.nan),
-        "max_abs": float(d.abs().max()) if d.numel() else 0.0,
-        "cosine": float(torch.dot(xd, yd)) / (nx * ny) if nx and ny else math.nan,
+        "max_abs": max_abs,
+        "cosine": xy / (nx * ny) if nx and ny else math.nan,
         "frac_changed": changed,
         "integral": whole(x) and whole(y),
     }
@@ -469,4 +489,5 @@ def whole(x: torch.Tensor) -> bool:
     """Whether every element of ``x`` is a whole number (any integer dtype)."""
     if not (x.is_floating_point() or x.is_complex()):
         return True
-    return bool(torch.isfinite(x).all() and (x == x.trunc()).all())
+    x = x.reshape(-1)
+    return all(bool(torch.isfinite(c).all() and (c == c.trunc()).all()) for c in x.split(COMPARE_CHUNK))

@@ -297,3 +297,29 @@ def test_open_history_sees_steps_committed_later(run_dir, backend):
         assert h.steps == [0, 1, 2]
         assert np.array_equal(h.read("3.weight", 2).numpy(), model[3].weight.detach().numpy())
         assert isinstance(h.stats("3.weight"), pd.DataFrame) and list(h.stats("3.weight").index) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64, torch.int64])
+def test_diff_metrics_do_not_depend_on_the_chunks_they_are_computed_in(monkeypatch, dtype):
+    """compare() works through a tensor in chunks (whole-tensor float64 copies and masks took
+    some ten times its size): chunks of 4 elements give what one chunk gives, NaN and
+    infinities included."""
+    from datastates_hist import history
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 5, generator=g) * 100).to(dtype)
+    y = x.clone()
+    y.view(-1)[[1, 6, 13, 22, 30]] += 3
+    if dtype.is_floating_point:
+        x.view(-1)[[9, 17]] = y.view(-1)[[9, 17]] = float("nan")   # NaN on both sides: unchanged
+        x.view(-1)[11] = y.view(-1)[11] = float("inf")                # equal infinities differ by 0
+    whole = history.compare(x, y)
+    monkeypatch.setattr(history, "COMPARE_CHUNK", 4)
+    chunked = history.compare(x, y)
+    assert whole.keys() == chunked.keys()
+    for key, value in whole.items():
+        assert chunked[key] == pytest.approx(value, rel=1e-12, nan_ok=True), key
+    if dtype.is_floating_point:
+        y.view(-1)[25] = float("nan")  # NaN on one side only, in a later chunk: max_abs is NaN
+        assert np.isnan(history.compare(x, y)["max_abs"])
+        assert history.compare(x, y)["frac_changed"] == pytest.approx(6 / 35)
