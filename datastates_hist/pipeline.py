@@ -46,6 +46,7 @@ class Pipeline:
         self._inherited = False  # by a child made by fork (inherited())
         self.hook_seconds = 0.0  # training-thread time spent waiting in the hooks
         self.training_waits = threading.Event()  # set while a hook waits: the flusher's keep_up reads it
+        self.commit_waits = threading.Event()  # set while write() waits for a commit (wait_in_flight)
 
     def submit(self, ckpt: PendingCheckpoint, objects: Iterable[Any]) -> None:
         """Queue ``ckpt`` (of ``objects``: the model, the optimizer, the extras) for its
@@ -95,7 +96,7 @@ class Pipeline:
         pin = torch.cuda.is_available() and any(t.tensor.is_cuda for t in ckpt.tensors)
         self.cache = HostCache(self.cache_bytes, pin=pin)
         self._flusher = Flusher(self.cache, self.committer, self.refuse_nonfinite, self.key_every,
-                                self.keep_up, self.training_waits)
+                                self.keep_up, self.training_waits, self.commit_waits)
         self._snapshotter = Snapshotter(self.cache, self._flusher.inbox, self.piece_bytes)
 
     # --- waiting ------------------------------------------------------------------------
@@ -119,8 +120,15 @@ class Pipeline:
 
     def wait_in_flight(self, at_most: int) -> None:
         """Wait until at most ``at_most`` submitted checkpoints are neither committed nor failed."""
-        for ckpt in [c for c in self._pending if not c.done.is_set()][:-at_most or None]:
-            ckpt.done.wait()
+        waited = [c for c in self._pending if not c.done.is_set()][:-at_most or None]
+        if not waited:
+            return
+        self.commit_waits.set()
+        try:
+            for ckpt in waited:
+                ckpt.done.wait()
+        finally:
+            self.commit_waits.clear()
 
     def wait(self) -> None:
         """Wait until every submitted checkpoint is committed or failed."""
@@ -175,16 +183,18 @@ class Pipeline:
         if self._snapshotter is not None:
             self._snapshotter.stop()
             self._flusher.ended.wait()
-        if not self._closed:
-            try:
-                self.committer.close()
-            finally:
-                self._closed = True
-        if self._snapshotter is not None and not self.busy:
-            # the threads are done: let go of the host cache and the delta anchors (a closed
-            # Checkpointer kept cache + two values of every delta-encoded tensor until collected)
-            self._flusher.anchors.forget()
-            self.cache.release()
+        try:
+            if not self._closed:
+                try:
+                    self.committer.close()
+                finally:
+                    self._closed = True
+        finally:  # also when the ranks disagree at the close: the memory goes all the same
+            if self._snapshotter is not None and not self.busy:
+                # the threads are done: let go of the host cache and the delta anchors (a closed
+                # Checkpointer kept cache + two values of every delta-encoded tensor until collected)
+                self._flusher.anchors.forget()
+                self.cache.release()
 
     @property
     def busy(self) -> bool:
