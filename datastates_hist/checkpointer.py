@@ -87,7 +87,8 @@ class Checkpointer:
             before stores its remaining chunks uncompressed); and once training has
             waited for a snapshot that waited for cache space, whole steps until a
             snapshot fits the cache without waiting;
-            True stores raw from half full and runs the flush at nice 19, so it uses
+            True stores raw from half full, or while ``write()`` waits for a commit
+            (``max_steps_in_flight``), and runs the flush at nice 19, so it uses
             only the CPU time training leaves (shorter steps, a larger history); False
             always encodes as ``codec`` says, so the history is as small as it can be
             whatever training waits. :attr:`raw_to_keep_up` counts the tensors stored raw.

@@ -83,11 +83,13 @@ class Flusher:
     ranks agree on every step's outcome."""
 
     def __init__(self, cache: HostCache, committer, refuse_nonfinite: bool = False, key_every: int = 16,
-                 keep_up: bool | None = None, training_waits: threading.Event | None = None):
+                 keep_up: bool | None = None, training_waits: threading.Event | None = None,
+                 commit_waits: threading.Event | None = None):
         self.cache = cache
         self.keep_up = keep_up
         # set while the training thread waits for a snapshot (the pipeline's hooks)
         self.training_waits = training_waits or threading.Event()
+        self.commit_waits = commit_waits or threading.Event()  # training waits in write() for a commit
         self.behind_bytes = None if keep_up is False else BEHIND_FRACTION[keep_up] * cache.capacity
         self.raw_to_keep_up = 0  # tensors stored raw, not encoded, because the flush was behind
         # the flush holds training back: a step's snapshot waited for cache space and training
@@ -217,6 +219,8 @@ class Flusher:
             return False
         if self._held_training:
             return True
+        if self.keep_up is True and self.commit_waits.is_set():
+            return True  # training waits for the oldest commit (max_steps_in_flight): give way, as asked
         if self.cache.held_bytes() <= self.behind_bytes:
             return False
         later = ckpt.cache_end is not None and self.cache.allocated != ckpt.cache_end

@@ -237,3 +237,33 @@ def test_a_step_larger_than_the_cache_is_stored_raw_once_training_waits_for_its_
         for step, values in written.items():
             for tensor, value in values.items():
                 assert torch.equal(h.read(tensor, step), value), (step, tensor)
+
+
+@pytest.mark.parametrize("keep_up", [True, None])
+def test_with_keep_up_a_write_that_waits_for_a_commit_has_the_flush_store_raw(tmp_path, backend, stalled, keep_up):
+    """``write()`` waits for the oldest commit beyond ``max_steps_in_flight``: with
+    ``keep_up=True`` the flush then gives way (raw), however empty the cache; by default it
+    encodes, as it does until the cache is nearly full."""
+    name, go = stalled
+    run_dir = str(tmp_path / "run")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 512)
+    opt = torch.optim.Adam(model.parameters())
+    ckpt = dh.Checkpointer(run_dir, backend=name, host_cache_bytes=64 << 20, max_steps_in_flight=1,
+                           keep_up=keep_up)
+    written = []
+    for step in range(2):
+        model(torch.randn(8, 256)).square().mean().backward()
+        opt.step()
+        if step == 1:  # the flush of step 0 stalls until write(1) waits for its commit
+            threading.Thread(target=lambda: ckpt._pipeline.commit_waits.wait(60) and go.set()).start()
+        ckpt.write(step, model, opt)
+        written.append(model.weight.detach().clone())
+    ckpt.close()
+    stored = encodings(run_dir)
+    if keep_up:
+        assert set(stored[0].values()) == {"raw"} and ckpt.raw_to_keep_up == len(stored[0])
+    else:
+        assert "raw" not in stored[0].values() and ckpt.raw_to_keep_up == 0
+    with dh.open(run_dir) as h:
+        assert all(torch.equal(h.read("model/weight", step), w) for step, w in enumerate(written))
