@@ -246,10 +246,6 @@ def flatten(obj: Any, where: str) -> tuple[Any, dict[str, torch.Tensor]]:
     return walk(obj, ""), tensors
 
 
-# the tags of the placeholders that name a tensor item (values.py)
-PLACEHOLDERS = ("__tensor__", "__ndarray__")
-
-
 def flatten_under(value: Any, base: str, where: str, add: Callable[[str, torch.Tensor], None]) -> Any:
     """``value`` as safe JSON data (:func:`flatten`), each tensor (or numeric array) in it a
     placeholder naming the tensor item ``<base>/<path>``, handed to ``add(name, tensor)``
@@ -269,7 +265,7 @@ def _renamed(data: Any, base: str) -> Any:
     if isinstance(data, dict):
         if len(data) == 1:
             (tag, inner), = data.items()
-            if tag in PLACEHOLDERS and isinstance(inner, str):
+            if tag in values.PLACEHOLDERS and isinstance(inner, str):
                 return {tag: f"{base}/{inner}" if inner else base}
         return {k: _renamed(v, base) for k, v in data.items()}
     return data
@@ -284,7 +280,7 @@ def placeholders(data: Any) -> list[str]:
         if isinstance(x, list):
             todo.extend(x)
         elif isinstance(x, dict):
-            if len(x) == 1 and next(iter(x)) in PLACEHOLDERS:
+            if len(x) == 1 and next(iter(x)) in values.PLACEHOLDERS:
                 out.append(str(next(iter(x.values()))))
             else:
                 todo.extend(x.values())

@@ -21,6 +21,7 @@ import numpy as np
 from .errors import CorruptionError
 
 TAGS = ("__tuple__", "__bytes__", "__dict__", "__tensor__", "__ndarray__", "__float__", "__numpy__")
+PLACEHOLDERS = ("__tensor__", "__ndarray__")  # the tags whose value names a tensor item
 
 # The dtypes of the numpy scalars that are stored (``{"__numpy__": [name, ...]}``) and the
 # only ones a stored name builds: each holds its values exactly as a JSON number (a float16
@@ -274,7 +275,7 @@ def _decode(data: Any, tensors: dict | None) -> Any:
                 return decode_numpy(inner)
             if tag == "__dict__":
                 return {_hashable(_decode(k, tensors)): _decode(v, tensors) for k, v in inner}
-            if tag in ("__tensor__", "__ndarray__"):
+            if tag in PLACEHOLDERS:
                 if tensors is None or inner not in tensors:
                     raise KeyError(f"the value refers to tensor {inner!r}, which was not loaded")
                 return tensors[inner] if tag == "__tensor__" else tensors[inner].numpy()
