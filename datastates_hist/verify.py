@@ -23,9 +23,9 @@ import sqlite3
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
-from .errors import CorruptionError, FormatError, StepNotFoundError
+from .errors import CorruptionError, StepNotFoundError
 from .items import TensorRecord
-from .step_data import StepData, manifest_version
+from .step_data import StepData
 from .store import Store
 
 Progress = Callable[[int, "str | None", int], None]
@@ -163,10 +163,6 @@ def _check_manifest(store: Store, data: StepData) -> list[Problem]:
     doc = json.loads(data.reader.manifest())
     if doc.get("step") != step:
         problems.append(Problem(step, None, f"its manifest is of step {doc.get('step')}: the index row is damaged"))
-    try:
-        manifest_version(doc)
-    except FormatError as exc:
-        problems.append(Problem(step, None, str(exc)))
     indexed = {r.name: r for r in store.index.records(step)}
     for name, rec in data.records.items():
         have = indexed.pop(name, None)
