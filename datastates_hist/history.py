@@ -448,7 +448,7 @@ def compare(x: torch.Tensor, y: torch.Tensor) -> dict[str, float | bool]:
     # element by element in chunks: the float64 copies and masks of a whole tensor took
     # about 10 times its size (a 1 GB embedding: some 10 GB)
     x, y = (x.reshape(-1, 2), y.reshape(-1, 2)) if parts else (x.reshape(-1), y.reshape(-1))
-    n_changed, d_sq, x_sq, y_sq, xy, max_abs, any_d = 0, 0.0, 0.0, 0.0, 0.0, 0.0, False
+    n_changed, d_sq, x_sq, y_sq, xy, max_abs = 0, 0.0, 0.0, 0.0, 0.0, 0.0
     for i in range(0, x.shape[0], COMPARE_CHUNK):
         xc, yc = x[i:i + COMPARE_CHUNK], y[i:i + COMPARE_CHUNK]
         both_nan = torch.isnan(xc) & torch.isnan(yc)
@@ -459,7 +459,6 @@ def compare(x: torch.Tensor, y: torch.Tensor) -> dict[str, float | bool]:
         if not xd.numel():
             continue
         d = torch.where(same[kept], 0.0, yd - xd)  # equal infinities differ by 0, not NaN
-        any_d = True
         d_sq += float(torch.dot(d, d))
         x_sq += float(torch.dot(xd, xd))
         y_sq += float(torch.dot(yd, yd))
@@ -469,8 +468,6 @@ def compare(x: torch.Tensor, y: torch.Tensor) -> dict[str, float | bool]:
             max_abs = top
     changed = n_changed / numel if numel else 0.0
     l2, nx, ny = math.sqrt(d_sq), math.sqrt(x_sq), math.sqrt(y_sq)
-    if not any_d:
-        max_abs = 0.0
     return {
         "l2": l2,
         # A change relative to an all-zero tensor has no value: NaN, which a ranking puts

@@ -236,6 +236,7 @@ _PARAM_SHAPED = tuple(getattr(torch.optim, name) for name in (
 
 _TAGS = frozenset(values.TAGS)
 
+
 def _state_name(pname: str, key: Any) -> str:
     """The item name of state ``key`` of parameter ``pname``: the key itself when a string
     (as always), else its text percent-quoted (an int ``0``: ``0``)."""

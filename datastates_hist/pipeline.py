@@ -185,11 +185,9 @@ class Pipeline:
             self._flusher.ended.wait()
         try:
             if not self._closed:
-                try:
-                    self.committer.close()
-                finally:
-                    self._closed = True
+                self.committer.close()
         finally:  # also when the ranks disagree at the close: the memory goes all the same
+            self._closed = True
             if self._snapshotter is not None and not self.busy:
                 # the threads are done: let go of the host cache and the delta anchors (a closed
                 # Checkpointer kept cache + two values of every delta-encoded tensor until collected)

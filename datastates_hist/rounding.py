@@ -62,7 +62,12 @@ class _Rounder:
         self.exponent_mask = t(((1 << (width - 1 - mantissa)) - 1) << mantissa)
         self.keep_mask = t(~((1 << int(self.drop)) - 1) & ((1 << width) - 1))
         self.half_minus_one = t((1 << int(self.drop)) >> 1) - t(1) if self.drop else t(0)
-        self._scratch, self._special, self._overflowed = np.empty(0, t), np.empty(0, bool), np.empty(0, bool)
+        self.release()
+
+    def release(self) -> None:
+        """Let the scratch go (the next :meth:`round_into` allocates it again)."""
+        self._scratch = np.empty(0, self.bits_type)
+        self._special, self._overflowed = np.empty(0, bool), np.empty(0, bool)
 
     def round_into(self, bits: np.ndarray, out: np.ndarray) -> None:
         if not self.drop:
@@ -138,7 +143,7 @@ class MantissaSplit:
         """``(blob, chunks)`` of the low bits (as :meth:`Encoder.finish`)."""
         blob, chunks, _ = self.low.finish()
         self._rounded_buf = self._low_buf = np.empty(0, np.uint8)
-        self._rounder = _Rounder(self.dtype, self.keep_bits)  # its scratch let go
+        self._rounder.release()
         return blob, chunks
 
 
